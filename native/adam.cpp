@@ -1,0 +1,157 @@
+// The C entry points of the CPU Adam: argument checks, ISA choice at run time,
+// and the OpenMP split of one step over threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "adam_args.h"
+#include "errors.h"
+
+namespace offload_native {
+
+namespace {
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kAvx2;
+  return kScalar;
+}
+
+int g_isa = best_isa();
+
+// Below this many elements per thread, waking another thread costs more than it saves.
+constexpr int64_t kMinPerThread = 1 << 15;
+// Thread ranges start on 64-element (256-byte) boundaries: whole vectors, whole cache lines.
+constexpr int64_t kRangeAlign = 64;
+
+size_t dtype_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
+
+bool valid_dtype(int dtype) { return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16; }
+
+struct Span {
+  const char* name;
+  uintptr_t begin;
+  uintptr_t end;
+};
+
+int check_buffers(const AdamBuffers& b, int64_t n) {
+  if (n < 0) return fail("adam: n must be >= 0, got %lld", static_cast<long long>(n));
+  if (!valid_dtype(b.grad_dtype)) return fail("adam: grad dtype code %d is not 0 (fp32), 1 (bf16) or 2 (fp16)", b.grad_dtype);
+  if (b.out != nullptr && b.out_dtype != kBFloat16 && b.out_dtype != kFloat16)
+    return fail("adam: out dtype code %d is not 1 (bf16) or 2 (fp16)", b.out_dtype);
+  if (n == 0) return 0;
+  const size_t bytes = static_cast<size_t>(n);
+  Span spans[5] = {
+      {"param", reinterpret_cast<uintptr_t>(b.param), 4 * bytes},
+      {"exp_avg", reinterpret_cast<uintptr_t>(b.exp_avg), 4 * bytes},
+      {"exp_avg_sq", reinterpret_cast<uintptr_t>(b.exp_avg_sq), 4 * bytes},
+      {"grad", reinterpret_cast<uintptr_t>(b.grad), dtype_size(b.grad_dtype) * bytes},
+      {"out", reinterpret_cast<uintptr_t>(b.out), 2 * bytes},
+  };
+  const int count = b.out != nullptr ? 5 : 4;
+  for (int i = 0; i < count; ++i) {
+    if (spans[i].begin == 0) return fail("adam: %s is a null pointer", spans[i].name);
+    const size_t align = i == 3 ? dtype_size(b.grad_dtype) : (i == 4 ? 2 : 4);
+    if (spans[i].begin % align != 0) return fail("adam: %s is not %zu-byte aligned", spans[i].name, align);
+    spans[i].end += spans[i].begin;  // end held the length until here
+  }
+  for (int i = 0; i < count; ++i)
+    for (int j = i + 1; j < count; ++j)
+      if (spans[i].begin < spans[j].end && spans[j].begin < spans[i].end)
+        return fail("adam: %s and %s overlap in memory; each needs its own buffer", spans[i].name, spans[j].name);
+  return 0;
+}
+
+int make_consts(double lr, double beta1, double beta2, double eps, double weight_decay, int decoupled,
+                int bias_correction, int64_t step, double grad_scale, AdamConsts* c) {
+  if (!(std::isfinite(lr) && lr >= 0)) return fail("adam: lr must be finite and >= 0, got %g", lr);
+  if (!(beta1 >= 0 && beta1 < 1)) return fail("adam: beta1 must be in [0, 1), got %g", beta1);
+  if (!(beta2 >= 0 && beta2 < 1)) return fail("adam: beta2 must be in [0, 1), got %g", beta2);
+  if (!(std::isfinite(eps) && eps >= 0)) return fail("adam: eps must be finite and >= 0, got %g", eps);
+  if (!(std::isfinite(weight_decay) && weight_decay >= 0))
+    return fail("adam: weight_decay must be finite and >= 0, got %g", weight_decay);
+  if (step < 1) return fail("adam: step must be >= 1 (the first step is 1), got %lld", static_cast<long long>(step));
+  if (!std::isfinite(grad_scale)) return fail("adam: grad_scale must be finite, got %g", grad_scale);
+
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
+  c->grad_scale = static_cast<float>(grad_scale);
+  c->beta1 = static_cast<float>(beta1);
+  c->one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c->beta2 = static_cast<float>(beta2);
+  c->one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c->eps = static_cast<float>(eps);
+  c->inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  c->step_size = static_cast<float>(lr / bc1);
+  c->use_l2 = weight_decay != 0 && !decoupled;
+  c->use_decoupled = weight_decay != 0 && decoupled;
+  c->l2_decay = static_cast<float>(weight_decay);
+  c->decoupled_keep = static_cast<float>(1.0 - lr * weight_decay);
+  return 0;
+}
+
+void run_range(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  int64_t body_end = begin;
+  if (g_isa == kAvx512) {
+    body_end = begin + (end - begin) / kAvx512Width * kAvx512Width;
+    adam_range_avx512(b, c, begin, body_end);
+  } else if (g_isa == kAvx2) {
+    body_end = begin + (end - begin) / kAvx2Width * kAvx2Width;
+    adam_range_avx2(b, c, begin, body_end);
+  }
+  adam_range_scalar(b, c, body_end, end);
+}
+
+}  // namespace
+}  // namespace offload_native
+
+using namespace offload_native;
+
+OFFLOAD_API const char* offload_last_error() { return last_error().c_str(); }
+
+// 0 scalar, 1 AVX2, 2 AVX-512: the best this CPU runs.
+OFFLOAD_API int offload_cpu_isa() { return best_isa(); }
+
+OFFLOAD_API int offload_adam_isa() { return g_isa; }
+
+// Tests use this to run every kernel this CPU supports; -1 restores the best.
+OFFLOAD_API int offload_set_adam_isa(int isa) {
+  const int best = best_isa();
+  if (isa == -1) isa = best;
+  if (isa < kScalar || isa > best) return fail("adam: ISA %d is not supported by this CPU (best is %d)", isa, best);
+  g_isa = isa;
+  return 0;
+}
+
+OFFLOAD_API int offload_default_threads() { return omp_get_max_threads(); }
+
+OFFLOAD_API int offload_adam_step(float* param, float* exp_avg, float* exp_avg_sq, const void* grad, int grad_dtype,
+                                  void* out, int out_dtype, int64_t n, double lr, double beta1, double beta2,
+                                  double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
+                                  double grad_scale, int threads) {
+  const AdamBuffers b{param, exp_avg, exp_avg_sq, grad, grad_dtype, out, out_dtype};
+  AdamConsts c;
+  if (check_buffers(b, n) != 0) return -1;
+  if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)
+    return -1;
+  if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
+  if (threads == 0) threads = omp_get_max_threads();
+  const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+  if (team == 1) {
+    run_range(b, c, 0, n);
+    return 0;
+  }
+#pragma omp parallel num_threads(team)
+  {
+    const int64_t nt = omp_get_num_threads();
+    const int64_t per = ((n + nt - 1) / nt + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
+    const int64_t begin = std::min(n, omp_get_thread_num() * per);
+    run_range(b, c, begin, std::min(n, begin + per));
+  }
+  return 0;
+}

@@ -1,0 +1,66 @@
+// One Adam step over a contiguous range, as the ISA-specific kernels see it.
+//
+// Note [bit-identical Adam]
+// Every kernel (scalar, AVX2, AVX-512) and the pure-PyTorch fallback
+// (offload/optim/adam_fallback.py) evaluate the same sequence of single,
+// correctly rounded fp32 operations with the same fp32 constants:
+//
+//   g  = grad * grad_scale
+//   g  = g + p * weight_decay            (classic L2 Adam only)
+//   m  = m * beta1 + g * (1 - beta1)
+//   v  = v * beta2 + (g * g) * (1 - beta2)
+//   p  = p * (1 - lr * weight_decay)     (decoupled AdamW only)
+//   p  = p - (m / (sqrt(v) * inv_bc2_sqrt + eps)) * step_size
+//
+// with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^step)
+// computed in double and rounded once to fp32. (A multiply, not a division by a
+// scalar, because torch may itself turn a division by a scalar into a multiply
+// by its reciprocal, and the fallback must not depend on that.)
+//
+// The sources are built with -ffp-contract=off and use no FMA, because a fused
+// multiply-add rounds once where the sequence above rounds twice. That costs
+// nothing measurable (the step is bound by memory bandwidth) and buys results
+// that are bitwise equal across ISAs, thread counts and the fallback.
+#pragma once
+
+#include <cstdint>
+
+namespace offload_native {
+
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// The fp32 constants of Note [bit-identical Adam], derived once per call from
+// the double-precision hyper-parameters.
+struct AdamConsts {
+  float grad_scale;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float inv_bc2_sqrt;
+  float step_size;
+  float l2_decay;       // used when use_l2
+  float decoupled_keep; // 1 - lr * weight_decay, used when use_decoupled
+  bool use_l2;
+  bool use_decoupled;
+};
+
+struct AdamBuffers {
+  float* param;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grad;
+  int grad_dtype;  // Dtype
+  void* out;       // nullptr: no low-precision copy
+  int out_dtype;   // kBFloat16 or kFloat16 when out != nullptr
+};
+
+// Each updates elements [begin, end). The vector kernels require
+// (end - begin) to be a multiple of their width; the scalar one takes any range.
+void adam_range_scalar(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end);
+void adam_range_avx2(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end);
+void adam_range_avx512(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end);
+
+constexpr int64_t kAvx2Width = 8;
+constexpr int64_t kAvx512Width = 16;
+
+}  // namespace offload_native

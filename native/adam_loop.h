@@ -1,0 +1,66 @@
+// The Adam loop, written once and instantiated per ISA. V supplies the vector
+// type and its operations; see adam_scalar.cpp, adam_avx2.cpp, adam_avx512.cpp.
+//
+// Everything here has internal linkage: each ISA translation unit is compiled
+// for a different target, and a shared inline symbol could let the linker pick
+// the AVX-512 copy for a caller on a CPU without AVX-512.
+#pragma once
+
+#include "adam_args.h"
+
+namespace offload_native {
+namespace {
+
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+template <class V, class GradT, class OutT>
+void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  using Vec = typename V::Vec;
+  float* p = b.param;
+  float* m = b.exp_avg;
+  float* v = b.exp_avg_sq;
+  const GradT* g = static_cast<const GradT*>(b.grad);
+  OutT* out = static_cast<OutT*>(b.out);
+
+  const Vec grad_scale = V::set1(c.grad_scale);
+  const Vec beta1 = V::set1(c.beta1), one_minus_beta1 = V::set1(c.one_minus_beta1);
+  const Vec beta2 = V::set1(c.beta2), one_minus_beta2 = V::set1(c.one_minus_beta2);
+  const Vec eps = V::set1(c.eps), inv_bc2_sqrt = V::set1(c.inv_bc2_sqrt);
+  const Vec step_size = V::set1(c.step_size);
+  const Vec l2_decay = V::set1(c.l2_decay), decoupled_keep = V::set1(c.decoupled_keep);
+
+  // The order of operations is Note [bit-identical Adam]; do not reassociate.
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    Vec pi = V::load(p + i);
+    Vec gi = V::mul(V::load_grad(g + i), grad_scale);
+    if (c.use_l2) gi = V::add(gi, V::mul(pi, l2_decay));
+    Vec mi = V::add(V::mul(V::load(m + i), beta1), V::mul(gi, one_minus_beta1));
+    Vec vi = V::add(V::mul(V::load(v + i), beta2), V::mul(V::mul(gi, gi), one_minus_beta2));
+    if (c.use_decoupled) pi = V::mul(pi, decoupled_keep);
+    Vec denom = V::add(V::mul(V::sqrt(vi), inv_bc2_sqrt), eps);
+    pi = V::sub(pi, V::mul(V::div(mi, denom), step_size));
+    V::store(p + i, pi);
+    V::store(m + i, mi);
+    V::store(v + i, vi);
+    if constexpr (!__is_same(OutT, float)) V::store_out(out + i, pi);
+  }
+}
+
+// float as OutT means "no low-precision copy".
+template <class V, class GradT>
+void adam_dispatch_out(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  if (b.out == nullptr) return adam_loop<V, GradT, float>(b, c, begin, end);
+  if (b.out_dtype == kBFloat16) return adam_loop<V, GradT, BF16>(b, c, begin, end);
+  return adam_loop<V, GradT, F16>(b, c, begin, end);
+}
+
+template <class V>
+void adam_dispatch(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  if (b.grad_dtype == kFloat32) return adam_dispatch_out<V, float>(b, c, begin, end);
+  if (b.grad_dtype == kBFloat16) return adam_dispatch_out<V, BF16>(b, c, begin, end);
+  return adam_dispatch_out<V, F16>(b, c, begin, end);
+}
+
+}  // namespace
+}  // namespace offload_native

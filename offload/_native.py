@@ -1,0 +1,125 @@
+"""The native library (native/*.cpp), loaded with ctypes.
+
+ctypes releases the GIL for the whole of each foreign call, so a long Adam step
+or a blocking I/O wait never holds up other Python threads. The library takes
+raw pointers and lengths and checks what it can see of them (null, alignment,
+overlap, ranges); the callers check what only Python can see (device, dtype,
+contiguity, shapes).
+
+If the library is missing or fails to load, ``lib()`` raises ``NativeUnavailable``
+with the reason; callers that have a pure-PyTorch fallback use ``status()`` to
+decide and warn once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import importlib.machinery
+import os
+from dataclasses import dataclass
+
+_c_float_p = ctypes.POINTER(ctypes.c_float)
+_i64 = ctypes.c_int64
+_int = ctypes.c_int
+_dbl = ctypes.c_double
+_ptr = ctypes.c_void_p
+
+# name -> (restype, argtypes); every function but the two getters returns 0 or -1.
+_SIGNATURES = {
+    "offload_last_error": (ctypes.c_char_p, []),
+    "offload_cpu_isa": (_int, []),
+    "offload_adam_isa": (_int, []),
+    "offload_set_adam_isa": (_int, [_int]),
+    "offload_default_threads": (_int, []),
+    "offload_adam_step": (
+        _int,
+        [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _i64,
+         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int],
+    ),
+    "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),
+    "offload_stream_triad": (_int, [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _int]),
+}
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+# Set OFFLOAD_DISABLE_NATIVE=1 to run the pure-PyTorch fallbacks on purpose.
+_DISABLE_ENV = "OFFLOAD_DISABLE_NATIVE"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library could not be loaded; the message says why and how to fix it."""
+
+
+class NativeError(ValueError):
+    """A native call rejected its arguments or failed; the message is the library's own."""
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    reason: str  # why it is unavailable, or the path it was loaded from
+
+
+def _library_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        matches = glob.glob(os.path.join(here, "_native_lib" + suffix))
+        if matches:
+            return matches[0]
+    raise NativeUnavailable(
+        f"no compiled _native_lib in {here}; build it with `python3 -m pip install -e .` "
+        "from the repository root (needs g++ with OpenMP)"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL:
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+        raise NativeUnavailable(f"disabled by {_DISABLE_ENV}={os.environ[_DISABLE_ENV]}")
+    path = _library_path()
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load {path}: {exc}; rebuild with `python3 -m pip install -e .`") from exc
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        try:
+            function = getattr(library, name)
+        except AttributeError as exc:
+            raise NativeUnavailable(f"{path} lacks {name}: it is stale; rebuild with `python3 -m pip install -e .`") from exc
+        function.restype = restype
+        function.argtypes = argtypes
+    return library
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library; raises NativeUnavailable with the reason if there is none."""
+    return _load()
+
+
+def status() -> NativeStatus:
+    try:
+        return NativeStatus(True, _load()._name)
+    except NativeUnavailable as exc:
+        return NativeStatus(False, str(exc))
+
+
+def check(rc: int) -> None:
+    """Turn a native return code into NativeError carrying the library's message."""
+    if rc != 0:
+        raise NativeError(_load().offload_last_error().decode(errors="replace"))
+
+
+def cpu_isa() -> str:
+    return ISA_NAMES[lib().offload_cpu_isa()]
+
+
+def adam_isa() -> str:
+    return ISA_NAMES[lib().offload_adam_isa()]
+
+
+def set_adam_isa(name: str | None) -> None:
+    """Force one kernel (``"scalar"``, ``"avx2"``, ``"avx512"``), or ``None`` for the best."""
+    code = -1 if name is None else {v: k for k, v in ISA_NAMES.items()}[name]
+    check(lib().offload_set_adam_isa(code))

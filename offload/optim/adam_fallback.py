@@ -1,0 +1,55 @@
+"""The Adam step in plain PyTorch, bitwise equal to the native kernel.
+
+Used only when the native library is unavailable (offload.optim.adam_step warns
+when it is). It evaluates Note [bit-identical Adam] (native/adam_args.h) one
+correctly rounded tensor operation at a time, with the same fp32 constants the
+kernel derives; tests/optim/test_adam_step.py holds the two to bitwise equality.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from offload.optim.adam_step import AdamHyper
+
+
+def adam_step_torch(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: AdamHyper,
+    step: int,
+    grad_scale: float,
+    out: torch.Tensor | None,
+) -> None:
+    # Python floats: torch rounds each to fp32 exactly as the kernel's static_cast<float> does.
+    if hyper.bias_correction:
+        step_size = hyper.lr / (1.0 - hyper.beta1**step)
+        inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - hyper.beta2**step)
+    else:
+        step_size, inv_bc2_sqrt = hyper.lr, 1.0
+    decay = hyper.weight_decay != 0
+
+    g = grad.float() * grad_scale
+    if decay and not hyper.decoupled:
+        g = g + param * hyper.weight_decay
+    exp_avg.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
+    exp_avg_sq.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
+    if decay and hyper.decoupled:
+        param.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    denom = _sqrt_exact(exp_avg_sq).mul_(inv_bc2_sqrt).add_(hyper.eps)
+    param.sub_(exp_avg.div(denom).mul_(step_size))
+    if out is not None:
+        out.copy_(param)
+
+
+def _sqrt_exact(x: torch.Tensor) -> torch.Tensor:
+    # torch.sqrt on CPU may use a SLEEF approximation that is off by one ulp for
+    # some inputs; numpy's sqrt is the hardware's correctly rounded one, like the kernel's.
+    return torch.from_numpy(np.sqrt(x.numpy()))

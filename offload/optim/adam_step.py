@@ -1,0 +1,134 @@
+"""One Adam step on contiguous fp32 CPU shards, by the native kernel or its fallback.
+
+``adam_step`` is the single entry point the optimizer and the engine use. It
+checks what only Python can see (device, dtype, contiguity, sizes, aliasing),
+then runs the native kernel; when the native library is unavailable it runs
+``adam_fallback.adam_step_torch``, which gives bitwise identical results (Note
+[bit-identical Adam] in native/adam_args.h) at a fraction of the speed, and
+warns once, loudly, saying why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from offload import _native
+from offload.optim.adam_fallback import adam_step_torch
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Adam hyper-parameters. ``decoupled`` selects AdamW's weight decay
+    (``p *= 1 - lr * wd``); otherwise decay is classic L2 (``g += wd * p``)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = True
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
+        _require(0 <= self.beta1 < 1, f"beta1 (betas[0]) must be in [0, 1), got {self.beta1}")
+        _require(0 <= self.beta2 < 1, f"beta2 (betas[1]) must be in [0, 1), got {self.beta2}")
+        _require(math.isfinite(self.eps) and self.eps >= 0, f"eps must be finite and >= 0, got {self.eps}")
+        _require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay must be finite and >= 0, got {self.weight_decay}",
+        )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask), the default thread count."""
+    return len(os.sched_getaffinity(0))
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: AdamHyper,
+    step: int,
+    *,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """Update ``param``, ``exp_avg`` and ``exp_avg_sq`` in place for Adam step ``step`` (1-based).
+
+    The gradient (fp32, bf16 or fp16) is multiplied by ``grad_scale`` first, so
+    loss-scale unscaling and clipping cost no extra pass. If ``out`` (bf16 or
+    fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
+    """
+    _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    _require(isinstance(step, int) and step >= 1, f"step must be an int >= 1 (the first step is 1), got {step!r}")
+    _require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
+    _require(threads is None or threads >= 1, f"threads must be >= 1, got {threads}")
+    if not _native.status().available:
+        _warn_fallback_once()
+        adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out)
+        return
+    _native.check(
+        _native.lib().offload_adam_step(
+            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+            grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+            out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
+            param.numel(),
+            hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+            int(hyper.decoupled), int(hyper.bias_correction), step, grad_scale,
+            threads or available_cores(),
+        )
+    )
+
+
+def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
+    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
+        _require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
+        _require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        _require(named[name].dtype == torch.float32, f"{name} must be float32, got {named[name].dtype}")
+    _require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+    _require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in named.items()]
+    for i, (name_a, begin_a, end_a) in enumerate(spans):
+        for name_b, begin_b, end_b in spans[i + 1:]:
+            _require(
+                not (begin_a < end_b and begin_b < end_a) or param.numel() == 0,
+                f"{name_a} and {name_b} overlap in memory; each needs its own buffer",
+            )
+
+
+_warned = False
+
+
+def _warn_fallback_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "offload: the native CPU Adam is unavailable, using the pure-PyTorch fallback "
+            f"(same results, several times slower). Reason: {_native.status().reason}",
+            RuntimeWarning,
+            stacklevel=3,
+        )

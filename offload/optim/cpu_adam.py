@@ -1,0 +1,76 @@
+"""``CPUAdam``: a torch.optim.Optimizer for fp32 CPU parameters, on the native kernel.
+
+Drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``
+(``adamw_mode=False``) on CPU tensors: same param groups, same state layout
+(``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts move between them and
+LR schedulers work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from offload.optim.adam_step import AdamHyper, adam_step, available_cores
+
+
+class CPUAdam(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        threads: int | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            adamw_mode=adamw_mode, bias_correction=bias_correction,
+        )
+        _hyper(defaults)  # fail at construction, not at the first step
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads or available_cores()
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
+        """One Adam step for every parameter that has a gradient. Gradients are
+        multiplied by ``grad_scale`` first (unscaling and clipping in the same pass)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hyper = _hyper(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("CPUAdam does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                adam_step(
+                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper, int(state["step"].item()),
+                    grad_scale=grad_scale, threads=self.threads,
+                )
+        return loss
+
+
+def _hyper(group: dict[str, Any]) -> AdamHyper:
+    beta1, beta2 = group["betas"]
+    return AdamHyper(
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), decoupled=bool(group["adamw_mode"]),
+        bias_correction=bool(group["bias_correction"]),
+    )

@@ -1,9 +1,9 @@
 """The Adam step in plain PyTorch, bitwise equal to the native kernel.
 
-Used only when the native library is unavailable (offload.optim.adam_step warns
+Used only when the native library is unavailable (offload.optim.adam warns
 when it is). It evaluates Note [bit-identical Adam] (native/adam_args.h) one
 correctly rounded tensor operation at a time, with the same fp32 constants the
-kernel derives; tests/optim/test_adam_step.py holds the two to bitwise equality.
+kernel derives; tests/optim/test_adam.py holds the two to bitwise equality.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from offload.optim.adam_step import AdamHyper
+    from offload.optim.adam import AdamHyper
 
 
 def adam_step_torch(

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from offload.optim.adam_step import AdamHyper, adam_step, available_cores
+from offload.optim.adam import AdamHyper, adam_step, available_cores
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -38,6 +38,14 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads or available_cores()
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict saved by torch's Adam/AdamW lacks our keys; its own
+        # decoupled_weight_decay says which of the two it was.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
+            group.setdefault("bias_correction", self.defaults["bias_correction"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: float = 1.0) -> float | None:
@@ -68,6 +76,9 @@ class CPUAdam(torch.optim.Optimizer):
 
 
 def _hyper(group: dict[str, Any]) -> AdamHyper:
+    for unsupported in ("amsgrad", "maximize"):
+        if group.get(unsupported):
+            raise ValueError(f"CPUAdam does not implement {unsupported}=True (found in a param group); set it to False")
     beta1, beta2 = group["betas"]
     return AdamHyper(
         lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),

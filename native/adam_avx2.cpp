@@ -22,6 +22,13 @@ struct Avx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+  template <bool kStream>
+  static void put(void* p, __m128i x) {
+    if constexpr (kStream) _mm_stream_si128(static_cast<__m128i*>(p), x);
+    else _mm_storeu_si128(static_cast<__m128i*>(p), x);
+  }
+  static void fence() { _mm_sfence(); }
+  template <bool kStream>
   static void store_out(BF16* p, Vec x) {
     // Round to nearest even in integers; NaN lanes become 0x7fc0 (see adam_scalar.cpp).
     const __m256i u = _mm256_castps_si256(x);
@@ -30,10 +37,11 @@ struct Avx2 {
     const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(is_nan));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    put<kStream>(p, _mm256_castsi256_si128(packed));
   }
+  template <bool kStream>
   static void store_out(F16* p, Vec x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    put<kStream>(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }

@@ -22,6 +22,13 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+  template <bool kStream>
+  static void put(void* p, __m256i x) {
+    if constexpr (kStream) _mm256_stream_si256(static_cast<__m256i*>(p), x);
+    else _mm256_storeu_si256(static_cast<__m256i*>(p), x);
+  }
+  static void fence() { _mm_sfence(); }
+  template <bool kStream>
   static void store_out(BF16* p, Vec x) {
     // Round to nearest even in integers; NaN lanes become 0x7fc0 (see adam_scalar.cpp).
     // Not vcvtneps2bf16: it flushes denormal inputs to zero, torch does not.
@@ -30,10 +37,11 @@ struct Avx512 {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    put<kStream>(p, _mm512_cvtepi32_epi16(r));
   }
+  template <bool kStream>
   static void store_out(F16* p, Vec x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    put<kStream>(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
   static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }

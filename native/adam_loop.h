@@ -14,7 +14,10 @@ namespace {
 struct BF16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
 
-template <class V, class GradT, class OutT>
+// kStream: write the low-precision copy with non-temporal stores. That copy goes
+// to the accelerator (or to the next forward, long after it left the cache),
+// so pulling its lines into cache before overwriting them is wasted traffic.
+template <class V, class GradT, class OutT, bool kStream>
 void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
   using Vec = typename V::Vec;
   float* p = b.param;
@@ -43,16 +46,24 @@ void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t
     V::store(p + i, pi);
     V::store(m + i, mi);
     V::store(v + i, vi);
-    if constexpr (!__is_same(OutT, float)) V::store_out(out + i, pi);
+    if constexpr (!__is_same(OutT, float)) V::template store_out<kStream>(out + i, pi);
   }
+  if constexpr (kStream) V::fence();
 }
 
-// float as OutT means "no low-precision copy".
+// float as OutT means "no low-precision copy". Streaming stores need every
+// vector of the copy aligned to its width; callers start ranges on multiples of
+// 64 elements, so a 64-byte aligned buffer is enough.
 template <class V, class GradT>
 void adam_dispatch_out(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
-  if (b.out == nullptr) return adam_loop<V, GradT, float>(b, c, begin, end);
-  if (b.out_dtype == kBFloat16) return adam_loop<V, GradT, BF16>(b, c, begin, end);
-  return adam_loop<V, GradT, F16>(b, c, begin, end);
+  if (b.out == nullptr) return adam_loop<V, GradT, float, false>(b, c, begin, end);
+  const bool stream = reinterpret_cast<uintptr_t>(b.out) % 64 == 0 && begin % 64 == 0;
+  if (b.out_dtype == kBFloat16) {
+    if (stream) return adam_loop<V, GradT, BF16, true>(b, c, begin, end);
+    return adam_loop<V, GradT, BF16, false>(b, c, begin, end);
+  }
+  if (stream) return adam_loop<V, GradT, F16, true>(b, c, begin, end);
+  return adam_loop<V, GradT, F16, false>(b, c, begin, end);
 }
 
 template <class V>

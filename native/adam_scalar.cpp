@@ -71,8 +71,11 @@ struct Scalar {
   static Vec load_grad(const BF16* p) { return float_of(static_cast<uint32_t>(p->bits) << 16); }
   static Vec load_grad(const F16* p) { return f16_to_float(p->bits); }
   static void store(float* p, Vec x) { *p = x; }
+  template <bool kStream>
   static void store_out(BF16* p, Vec x) { p->bits = float_to_bf16(x); }
+  template <bool kStream>
   static void store_out(F16* p, Vec x) { p->bits = float_to_f16(x); }
+  static void fence() {}
   static Vec add(Vec a, Vec b) { return a + b; }
   static Vec sub(Vec a, Vec b) { return a - b; }
   static Vec mul(Vec a, Vec b) { return a * b; }

@@ -96,11 +96,12 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
 @requires_native
 @pytest.mark.parametrize("isa", _supported_isas())
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_copy_out_equals_to_dtype(isa, out_dtype, restore_isa):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned-streaming", "misaligned"])
+def test_copy_out_equals_to_dtype(isa, out_dtype, offset, restore_isa):
     _native.set_adam_isa(isa)
     n = 65_537
     param = torch.randn(n) * torch.logspace(-30, 30, n)  # tiny, huge (fp16 overflow), and subnormal results
-    out = torch.empty(n, dtype=out_dtype)
+    out = torch.empty(n + offset, dtype=out_dtype)[offset:]
     adam_step(param, torch.randn(n), torch.zeros(n), torch.zeros(n), AdamHyper(), 1, out=out)
     assert torch.equal(out.view(torch.int16), param.to(out_dtype).view(torch.int16))
 

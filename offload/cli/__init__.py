@@ -1,0 +1,33 @@
+"""The ``offload`` command line (also ``python -m offload``).
+
+Each subcommand lives in its own module and registers itself with ``add_parser``.
+User errors (bad arguments, bad values) exit with status 2 and one line naming
+the problem; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from offload.cli import bench_adam
+from offload.cli.args import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description="ZeRO-Offload / ZeRO-Infinity training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="measure this machine: the CPU Adam, disks")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    bench_adam.add_parser(benchmarks)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except (UserError, ValueError) as exc:
+        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -229,4 +229,4 @@ def test_gil_is_released_during_the_step():
     finally:
         stop.set()
         counter.join()
-    assert busy_rate > 0.4 * free_rate
+    assert busy_rate > 0.6 * free_rate  # measured: about 1.0 released, 0.3 held

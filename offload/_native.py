@@ -26,7 +26,9 @@ _int = ctypes.c_int
 _dbl = ctypes.c_double
 _ptr = ctypes.c_void_p
 
-# name -> (restype, argtypes); every function but the two getters returns 0 or -1.
+# name -> (restype, argtypes). Functions returning int return 0 (or a value >= 0)
+# on success and -1 after recording a message for offload_last_error; those
+# returning a pointer return null on failure.
 _SIGNATURES = {
     "offload_last_error": (ctypes.c_char_p, []),
     "offload_cpu_isa": (_int, []),
@@ -40,6 +42,18 @@ _SIGNATURES = {
     ),
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),
     "offload_stream_triad": (_int, [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _int]),
+    "offload_crc32c": (ctypes.c_uint32, [_ptr, _i64, ctypes.c_uint32]),
+    "offload_crc32c_portable": (ctypes.c_uint32, [_ptr, _i64, ctypes.c_uint32]),
+    "offload_aio_create": (_ptr, [_i64, _int, _int]),
+    "offload_aio_destroy": (None, [_ptr]),
+    "offload_aio_kernel_aio_workers": (_int, [_ptr]),
+    "offload_aio_open": (_int, [ctypes.c_char_p, _int, _int, ctypes.POINTER(_int)]),
+    "offload_aio_close": (_int, [_int]),
+    "offload_aio_submit": (_ptr, [_ptr, _int, _int, ctypes.c_char_p, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64]),
+    "offload_aio_done": (_int, [_ptr]),
+    "offload_aio_wait": (_int, [_ptr, ctypes.POINTER(ctypes.c_uint32)]),
+    "offload_aio_free": (None, [_ptr]),
+    "offload_aio_inject_fault": (None, [_ptr, _int, _int, _i64, _int]),
 }
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
@@ -108,7 +122,11 @@ def status() -> NativeStatus:
 def check(rc: int) -> None:
     """Turn a native return code into NativeError carrying the library's message."""
     if rc != 0:
-        raise NativeError(_load().offload_last_error().decode(errors="replace"))
+        raise NativeError(last_error())
+
+
+def last_error() -> str:
+    return _load().offload_last_error().decode(errors="replace")
 
 
 def cpu_isa() -> str:

@@ -1,0 +1,79 @@
+// CRC-32C with the SSE4.2 crc32 instruction when the CPU has it (about 8 bytes
+// a cycle per stream), else a slice-by-8 table. Both give the same value.
+#include "crc32c.h"
+
+#include <nmmintrin.h>
+
+#include <cstring>
+
+#include "errors.h"
+
+namespace offload_native {
+namespace {
+
+constexpr uint32_t kPolyReflected = 0x82f63b78u;
+
+struct Tables {
+  uint32_t t[8][256];
+  Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (kPolyReflected & (0u - (c & 1u)));
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xffu];
+  }
+};
+
+const Tables& tables() {
+  static const Tables instance;
+  return instance;
+}
+
+uint32_t crc_table(const uint8_t* p, size_t n, uint32_t crc) {
+  const auto& t = tables().t;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    word ^= crc;
+    crc = t[7][word & 0xff] ^ t[6][(word >> 8) & 0xff] ^ t[5][(word >> 16) & 0xff] ^ t[4][(word >> 24) & 0xff] ^
+          t[3][(word >> 32) & 0xff] ^ t[2][(word >> 40) & 0xff] ^ t[1][(word >> 48) & 0xff] ^ t[0][word >> 56];
+  }
+  for (; n > 0; ++p, --n) crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xffu];
+  return crc;
+}
+
+__attribute__((target("sse4.2"))) uint32_t crc_sse42(const uint8_t* p, size_t n, uint32_t crc) {
+  uint64_t c = crc;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = _mm_crc32_u64(c, word);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, *p);
+  return c32;
+}
+
+const bool kHaveSse42 = (__builtin_cpu_init(), __builtin_cpu_supports("sse4.2"));
+
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  crc = ~crc;
+  crc = kHaveSse42 ? crc_sse42(p, n, crc) : crc_table(p, n, crc);
+  return ~crc;
+}
+
+}  // namespace offload_native
+
+OFFLOAD_API uint32_t offload_crc32c(const void* data, int64_t n, uint32_t crc) {
+  return n > 0 ? offload_native::crc32c(data, static_cast<size_t>(n), crc) : crc;
+}
+
+// Test hook: the table path, to check it against the instruction.
+OFFLOAD_API uint32_t offload_crc32c_portable(const void* data, int64_t n, uint32_t crc) {
+  return n > 0 ? ~offload_native::crc_table(static_cast<const uint8_t*>(data), static_cast<size_t>(n), ~crc) : crc;
+}

@@ -1,0 +1,326 @@
+"""File engines that move a shard (header + data) between a buffer and a swap file.
+
+Two engines share one interface, chosen by ``AioSettings.backend``:
+  - ``native``: native/aio.cpp, kernel AIO with O_DIRECT, ``queue_depth`` chunks
+    of ``block_size`` in flight over ``thread_count`` workers, CRC per chunk
+    computed by the worker that moved it.
+  - ``aiofiles``: a portable fallback on the aiofiles package (buffered I/O, so
+    it also fills the page cache), same files, same checks.
+
+``submit`` returns an ``IoHandle`` of its own. ``wait()`` blocks for that
+request only (the GIL released), is idempotent, and raises ``SwapIOError``
+naming the operation, the file and the offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import os
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from offload import _native
+from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT
+
+READ, WRITE = 0, 1
+BACKENDS = ("native", "aiofiles")
+
+# native/aio.cpp OpenMode
+_DIRECT, _REFUSED, _RAMFS = 1, 2, 3
+
+
+class SwapIOError(OSError):
+    """A read or write of a swap file failed; the message names file and offset."""
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    """How swap files are read and written (DeepSpeed's ``aio`` block, plus the backend)."""
+
+    block_size: int = 8 << 20
+    queue_depth: int = 32
+    thread_count: int = 1
+    use_direct: bool = True
+    backend: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 4096 or self.block_size % 4096:
+            raise ValueError(f"aio.block_size must be a positive multiple of 4096 bytes, got {self.block_size}")
+        if self.queue_depth < 1:
+            raise ValueError(f"aio.queue_depth must be >= 1, got {self.queue_depth}")
+        if self.thread_count < 1:
+            raise ValueError(f"aio.thread_count must be >= 1, got {self.thread_count}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"aio backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclass
+class SwapFile:
+    path: str
+    fd: int
+    direct: bool
+
+
+class IoHandle(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> int:
+        """Block until done; return the data CRC; raise SwapIOError (the same one every call)."""
+        ...
+
+    def join(self) -> None:
+        """Block until done without raising: for whoever only needs the buffer back."""
+        ...
+
+
+class FileEngine(Protocol):
+    name: str
+    block_size: int
+
+    def open(self, path: str, create: bool) -> SwapFile: ...
+
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> IoHandle: ...
+
+    def close_file(self, file: SwapFile) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_engine(settings: AioSettings) -> FileEngine:
+    if settings.backend == "aiofiles":
+        return AiofilesEngine(settings)
+    return NativeEngine(settings)
+
+
+class _Result:
+    """The outcome of one request, kept so that wait() can be repeated."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.crc = 0
+        self.error: SwapIOError | None = None
+
+    def get(self) -> int:
+        if self.error is not None:
+            raise self.error
+        return self.crc
+
+
+class NativeHandle:
+    def __init__(self, pointer: int, keepalive: tuple) -> None:
+        self._pointer = pointer
+        self._keepalive = keepalive  # the buffers must outlive the I/O
+        self._result = _Result()
+
+    def done(self) -> bool:
+        return self._result.finished or bool(_native.lib().offload_aio_done(self._pointer))
+
+    def wait(self) -> int:
+        if not self._result.finished:
+            crc = ctypes.c_uint32(0)
+            rc = _native.lib().offload_aio_wait(self._pointer, ctypes.byref(crc))
+            if rc != 0:
+                self._result.error = SwapIOError(_native.last_error())
+            self._result.crc = crc.value
+            self._result.finished = True
+            _native.lib().offload_aio_free(self._pointer)
+            self._pointer = None
+            self._keepalive = ()
+        return self._result.get()
+
+    def join(self) -> None:
+        try:
+            self.wait()
+        except SwapIOError:
+            pass
+
+    def __del__(self) -> None:
+        if self._pointer is not None:
+            self.join()
+
+
+class NativeEngine:
+    name = "native"
+
+    def __init__(self, settings: AioSettings) -> None:
+        library = _native.lib()
+        self.block_size = settings.block_size
+        self.use_direct = settings.use_direct
+        self._engine = library.offload_aio_create(settings.block_size, settings.queue_depth, settings.thread_count)
+        if not self._engine:
+            raise ValueError(_native.last_error())
+
+    @property
+    def kernel_aio_workers(self) -> int:
+        return _native.lib().offload_aio_kernel_aio_workers(self._engine)
+
+    def open(self, path: str, create: bool) -> SwapFile:
+        mode = ctypes.c_int(0)
+        fd = _native.lib().offload_aio_open(os.fsencode(path), int(create), int(self.use_direct), ctypes.byref(mode))
+        if fd < 0:
+            raise SwapIOError(_native.last_error())
+        _warn_buffered(path, mode.value)
+        return SwapFile(path, fd, mode.value == _DIRECT)
+
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> NativeHandle:
+        io_len = 0 if data is None else data.numel()
+        pointer = _native.lib().offload_aio_submit(
+            self._engine, op, file.fd, os.fsencode(file.path), header.data_ptr(), HEADER_BYTES,
+            DATA_CRC_AT, HEADER_CRC_AT, None if data is None else data.data_ptr(), nbytes, io_len,
+        )
+        if not pointer:
+            raise SwapIOError(_native.last_error())
+        return NativeHandle(pointer, (header, data))
+
+    def close_file(self, file: SwapFile) -> None:
+        _native.check(_native.lib().offload_aio_close(file.fd))
+
+    def close(self) -> None:
+        if self._engine:
+            _native.lib().offload_aio_destroy(self._engine)  # waits for everything queued
+            self._engine = None
+
+    def inject_fault(self, file: SwapFile | None, op: int = WRITE, file_offset: int = 0, errno: int = 0) -> None:
+        """Test hook: chunks of ``op`` on ``file`` covering ``file_offset`` fail with ``errno``,
+        until replaced; ``file=None`` clears it."""
+        _native.lib().offload_aio_inject_fault(self._engine, -1 if file is None else file.fd, op, file_offset, errno)
+
+
+_warned_paths: set[str] = set()
+
+
+def _warn_buffered(path: str, mode: int) -> None:
+    directory = os.path.dirname(path)
+    if mode in (_REFUSED, _RAMFS) and directory not in _warned_paths:
+        _warned_paths.add(directory)
+        why = ("is on tmpfs/ramfs: the 'nvme' tier there is RAM, not disk"
+               if mode == _RAMFS else "does not support O_DIRECT")
+        warnings.warn(f"offload: {directory} {why}; using buffered I/O", RuntimeWarning, stacklevel=3)
+
+
+class AiofilesEngine:
+    """The same requests on aiofiles: one asyncio loop in a daemon thread, chunks
+    of ``block_size`` written or read in order, CRCs by the native CRC-32C."""
+
+    name = "aiofiles"
+
+    def __init__(self, settings: AioSettings) -> None:
+        import aiofiles  # noqa: F401  (fail here, clearly, if it is missing)
+
+        self.block_size = settings.block_size
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="offload-aiofiles", daemon=True)
+        self._thread.start()
+        self._futures: weakref.WeakSet = weakref.WeakSet()
+
+    def open(self, path: str, create: bool) -> SwapFile:
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise SwapIOError(f"open {path}: {exc.strerror}") from exc
+        return SwapFile(path, fd, False)
+
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> _FutureHandle:
+        coro = _aiofiles_request(op, file, header, data, nbytes, self.block_size)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._futures.add(future)
+        return _FutureHandle(future, (header, data))
+
+    def close_file(self, file: SwapFile) -> None:
+        os.close(file.fd)
+
+    def close(self) -> None:
+        """Waits for every submitted request, then stops the loop."""
+        if self._loop.is_running():
+            concurrent.futures.wait(list(self._futures))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+class _FutureHandle:
+    def __init__(self, future, keepalive: tuple) -> None:
+        self._future = future
+        self._keepalive = keepalive
+        self._result = _Result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> int:
+        if not self._result.finished:
+            try:
+                self._result.crc = self._future.result()
+            except SwapIOError as exc:
+                self._result.error = exc
+            self._result.finished = True
+            self._keepalive = ()
+        return self._result.get()
+
+    def join(self) -> None:
+        try:
+            self.wait()
+        except SwapIOError:
+            pass
+
+
+async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None,
+                            nbytes: int, chunk: int) -> int:
+    import aiofiles
+
+    library = _native.lib()
+    crcs = []
+    offset = 0
+    try:
+        async with aiofiles.open(file.fd, "r+b", buffering=0, closefd=False) as f:
+            if op == READ:
+                await f.seek(0)
+                got = await f.readinto(header.numpy())
+                if got != HEADER_BYTES:
+                    raise SwapIOError(f"read {file.path} at offset 0: short read: {got} of {HEADER_BYTES} bytes (file truncated?)")
+            io_len = 0 if data is None else data.numel()
+            for begin in range(0, io_len, chunk):
+                view = data[begin : min(io_len, begin + chunk)]
+                offset = HEADER_BYTES + begin
+                await f.seek(offset)
+                real = max(0, min(view.numel(), nbytes - begin))
+                if op == WRITE:
+                    crcs.append(library.offload_crc32c(view.data_ptr(), real, 0))
+                    await f.write(view.numpy())
+                else:
+                    got = await f.readinto(view.numpy())
+                    if got != view.numel():
+                        raise SwapIOError(f"read {file.path} at offset {offset}: short read: {got} of {view.numel()} bytes (file truncated?)")
+                    crcs.append(library.offload_crc32c(view.data_ptr(), real, 0))
+            data_crc = _combine(crcs)
+            if op == WRITE:
+                _finish_header(header, data_crc)
+                offset = 0
+                await f.seek(0)
+                await f.write(header.numpy())
+            return data_crc
+    except OSError as exc:
+        if isinstance(exc, SwapIOError):
+            raise
+        verb = "read" if op == READ else "write"
+        raise SwapIOError(f"{verb} {file.path} at offset {offset}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+def _combine(crcs: list[int]) -> int:
+    packed = (ctypes.c_uint32 * len(crcs))(*crcs)  # little-endian on every platform we build for
+    return _native.lib().offload_crc32c(ctypes.addressof(packed), 4 * len(crcs), 0)
+
+
+def _finish_header(header: torch.Tensor, data_crc: int) -> None:
+    view = header.numpy()
+    view[DATA_CRC_AT : DATA_CRC_AT + 4] = list(data_crc.to_bytes(4, "little"))
+    header_crc = _native.lib().offload_crc32c(header.data_ptr(), HEADER_CRC_AT, 0)
+    view[HEADER_CRC_AT : HEADER_CRC_AT + 4] = list(header_crc.to_bytes(4, "little"))

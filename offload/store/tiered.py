@@ -1,0 +1,372 @@
+"""``TieredStore``: named shards in tier ``cpu`` (host memory) or ``nvme`` (swap files).
+
+An nvme shard moves between its file and a pool buffer; each shard is in
+exactly one state at a time, and every transition is checked:
+
+    put ──► WRITING ──(write done)──► ON_DISK ──prefetch/get──► READING
+                ▲                        ▲                         │ get: verified
+                │ release(dirty)         │ release(clean)          ▼
+                └────────────────────────┴──────────────────── RESIDENT
+
+A cpu shard is always ``CPU``. A write that fails leaves its shard ``FAILED``:
+getting it raises the write's own error, never stale data. A buffer goes back
+to the pool only once its read or write has completed.
+
+Swap files live in a private run directory under ``nvme_path`` (mode 0700,
+made by ``mkdtemp``), are created exclusively with mode 0600 without following
+symlinks, carry the header of ``shard_file.py``, and are removed by ``close()``,
+and at interpreter exit for a store that was never closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import tempfile
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.store import shard_file
+from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, SwapIOError, make_engine
+from offload.store.pool import Buffer, PinnedPool, PoolExhausted
+from offload.store.shard_file import HEADER_BYTES, CorruptShard, ShardMeta
+
+
+class Tier(str, enum.Enum):
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class State(enum.Enum):
+    CPU = "cpu"
+    ON_DISK = "on_disk"
+    READING = "reading"
+    RESIDENT = "resident"
+    WRITING = "writing"
+    FAILED = "failed"
+
+
+class ShardLost(IOError):
+    """A shard's data is gone (its write failed, or its file failed the checks)."""
+
+
+@dataclass(eq=False)
+class _Shard:
+    key: str
+    meta: ShardMeta
+    tier: Tier
+    state: State
+    tensor: torch.Tensor | None = None  # cpu tier
+    file: SwapFile | None = None
+    generation: int = 0
+    buffer: Buffer | None = None
+    header: Buffer | None = None
+    handle: IoHandle | None = None
+    error: Exception | None = None
+
+    def expect(self, *states: State) -> None:
+        if self.state not in states:
+            names = " or ".join(s.value for s in states)
+            raise RuntimeError(f"shard {self.key!r} is {self.state.value}, expected {names}")
+
+
+@dataclass
+class _Gauge:
+    current: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+@dataclass
+class _Traffic:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    prefetch_skipped: int = 0  # prefetches dropped because the pool was full
+
+
+@dataclass
+class _Cleanup:
+    """What must go at close or exit; holds no reference to the store."""
+
+    engine: FileEngine | None = None
+    run_dir: str | None = None
+    files: list[SwapFile] = field(default_factory=list)
+
+    def __call__(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # waits for every queued request
+            for f in self.files:
+                self.engine.close_file(f)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f.path)
+            self.engine = None
+            self.files.clear()
+        if self.run_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(self.run_dir)
+            self.run_dir = None
+
+
+class TieredStore:
+    def __init__(
+        self,
+        nvme_path: str | None = None,
+        *,
+        pinned_limit_bytes: int = 1 << 30,
+        aio: AioSettings = AioSettings(),
+        pin_memory: bool | None = None,
+        pool_setting_name: str = "pinned_limit_bytes",
+    ) -> None:
+        self.pool = PinnedPool(pinned_limit_bytes, pool_setting_name, pin_memory)
+        self.aio = aio
+        self._shards: dict[str, _Shard] = {}
+        self._writing: set[str] = set()
+        self._tiers = {Tier.CPU: _Gauge(), Tier.NVME: _Gauge()}
+        self.traffic = _Traffic()
+        self._cleanup = _Cleanup()
+        self._finalizer = weakref.finalize(self, self._cleanup)
+        if nvme_path is not None:
+            _check_directory(nvme_path)
+            self._cleanup.engine = make_engine(aio)
+            self._cleanup.run_dir = tempfile.mkdtemp(prefix="offload-run-", dir=nvme_path)
+
+    @property
+    def run_dir(self) -> str | None:
+        return self._cleanup.run_dir
+
+    @property
+    def engine(self) -> FileEngine | None:
+        return self._cleanup.engine
+
+    # -- the API ---------------------------------------------------------------
+
+    def put(self, key: str, tensor: torch.Tensor, tier: Tier | str = Tier.CPU) -> None:
+        """Store a copy of ``tensor`` under ``key``; an nvme put starts its write now."""
+        tier = Tier(tier)
+        if key in self._shards:
+            raise KeyError(f"shard {key!r} already exists")
+        meta = ShardMeta.of(tensor)
+        source = tensor.detach().contiguous().view(-1)
+        if tier is Tier.CPU:
+            copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pool.pin)
+            copy.copy_(source)
+            self._shards[key] = _Shard(key, meta, tier, State.CPU, tensor=copy.view(meta.shape))
+            self._tiers[Tier.CPU].add(meta.nbytes)
+            return
+        engine = self._require_engine(key)
+        self._reap(block=False)
+        path = os.path.join(self._cleanup.run_dir, f"shard-{len(self._cleanup.files):06d}.swap")
+        shard = _Shard(key, meta, tier, State.RESIDENT, file=engine.open(path, create=True))
+        self._cleanup.files.append(shard.file)
+        self._shards[key] = shard
+        self._tiers[Tier.NVME].add(HEADER_BYTES + meta.padded_nbytes)
+        shard.buffer = self._acquire(meta.padded_nbytes, key)
+        _view(shard).view(-1).copy_(source)
+        self._start_write(shard)
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Start reading the nvme shards among ``keys`` that are only on disk.
+        Advisory: a shard that finds the pool full is skipped (counted in traffic)."""
+        self._reap(block=False)
+        for key in keys:
+            shard = self._shard(key)
+            if shard.state is State.ON_DISK:
+                try:
+                    self._start_read(shard, block_for_room=False)
+                except PoolExhausted:
+                    self.traffic.prefetch_skipped += 1
+
+    def get(self, keys: Iterable[str]) -> list[torch.Tensor]:
+        """The shards' tensors, resident and verified; nvme ones stay resident until released."""
+        keys = list(keys)
+        shards = [self._shard(k) for k in keys]
+        for shard in shards:  # start every read before waiting on any
+            if shard.state is State.ON_DISK:
+                self._start_read(shard, block_for_room=True)
+        return [self._resident(shard) for shard in shards]
+
+    def release(self, keys: Iterable[str], dirty: bool = False) -> None:
+        """Done with these shards for now. Dirty nvme shards are written back
+        asynchronously; clean ones give their buffer back at once."""
+        for key in keys:
+            shard = self._shard(key)
+            if shard.tier is Tier.CPU:
+                continue
+            shard.expect(State.RESIDENT)
+            if dirty:
+                self._start_write(shard)
+            else:
+                self._return_buffers(shard)
+                shard.state = State.ON_DISK
+
+    def flush(self) -> None:
+        """Wait for every write-back; raise the first failure among them."""
+        failed = self._reap(block=True)
+        if failed:
+            raise failed[0].error
+
+    def stats(self) -> dict:
+        """Bytes per tier (current and peak), pinned pool bytes, and I/O traffic."""
+        return {
+            "cpu": {"bytes": self._tiers[Tier.CPU].current, "peak_bytes": self._tiers[Tier.CPU].peak},
+            "nvme": {"bytes": self._tiers[Tier.NVME].current, "peak_bytes": self._tiers[Tier.NVME].peak},
+            "pinned": {"bytes": self.pool.allocated_bytes, "peak_bytes": self.pool.peak_bytes,
+                       "in_use_bytes": self.pool.in_use_bytes, "limit_bytes": self.pool.limit_bytes},
+            "io": dict(vars(self.traffic)),
+        }
+
+    def state(self, key: str) -> State:
+        return self._shard(key).state
+
+    def keys(self) -> list[str]:
+        return list(self._shards)
+
+    def close(self) -> None:
+        """Wait for all I/O, then remove every swap file and the run directory."""
+        if self._cleanup.engine is not None:
+            self._cleanup.engine.close()
+            self._reap(block=True)
+        self._finalizer()
+        self.pool.trim()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- transitions -------------------------------------------------------------
+
+    def _start_write(self, shard: _Shard) -> None:
+        shard.generation += 1
+        shard.header = shard.header or self._acquire(HEADER_BYTES, shard.key)
+        shard_file.encode(shard.header.data, shard.meta, shard.generation, self.engine.block_size)
+        shard.handle = self.engine.submit(WRITE, shard.file, shard.header.data, shard.buffer.data, shard.meta.nbytes)
+        shard.state = State.WRITING
+        self._writing.add(shard.key)
+        self.traffic.writes += 1
+
+    def _start_read(self, shard: _Shard, block_for_room: bool) -> None:
+        shard.buffer = self._acquire(shard.meta.padded_nbytes, shard.key, block_for_room)
+        try:
+            shard.header = self._acquire(HEADER_BYTES, shard.key, block_for_room)
+        except PoolExhausted:
+            self._return_buffers(shard)
+            raise
+        shard.handle = self.engine.submit(READ, shard.file, shard.header.data, shard.buffer.data, shard.meta.nbytes)
+        shard.state = State.READING
+        self.traffic.reads += 1
+
+    def _resident(self, shard: _Shard) -> torch.Tensor:
+        if shard.state is State.CPU:
+            return shard.tensor
+        if shard.state is State.FAILED:
+            raise shard.error
+        if shard.state is State.WRITING:  # its buffer still holds the data: keep it
+            self._finish_write(shard)
+            if shard.state is State.FAILED:
+                raise shard.error
+            self._writing.discard(shard.key)
+            shard.state = State.RESIDENT
+            self._return_header(shard)
+        elif shard.state is State.READING:
+            self._finish_read(shard)
+        shard.expect(State.RESIDENT)
+        return _view(shard)
+
+    def _finish_read(self, shard: _Shard) -> None:
+        try:
+            crc = shard.handle.wait()
+            shard_file.verify(shard.header.data, shard.file.path, shard.meta, shard.generation,
+                              self.engine.block_size, crc)
+        except (SwapIOError, CorruptShard) as exc:
+            self._fail(shard, ShardLost(f"shard {shard.key!r}: {exc}"))
+            raise shard.error from exc
+        finally:
+            shard.handle = None
+        self.traffic.bytes_read += HEADER_BYTES + shard.meta.padded_nbytes
+        shard.state = State.RESIDENT
+        self._return_header(shard)
+
+    def _finish_write(self, shard: _Shard) -> None:
+        try:
+            shard.handle.wait()
+            self.traffic.bytes_written += HEADER_BYTES + shard.meta.padded_nbytes
+        except SwapIOError as exc:
+            self._fail(shard, ShardLost(f"shard {shard.key!r} was lost: its write failed: {exc}"))
+        finally:
+            shard.handle = None
+
+    def _reap(self, block: bool) -> list[_Shard]:
+        """Finish write-backs (all, or those already done); returns the shards that failed."""
+        failed = []
+        for key in list(self._writing):
+            shard = self._shards[key]
+            if not block and not shard.handle.done():
+                continue
+            self._finish_write(shard)
+            self._writing.discard(key)
+            if shard.state is State.FAILED:
+                failed.append(shard)
+                continue
+            self._return_buffers(shard)
+            shard.state = State.ON_DISK
+        return failed
+
+    def _fail(self, shard: _Shard, error: Exception) -> None:
+        self._return_buffers(shard)
+        shard.state = State.FAILED
+        shard.error = error
+
+    # -- buffers -------------------------------------------------------------------
+
+    def _acquire(self, nbytes: int, key: str, block_for_room: bool = True) -> Buffer:
+        try:
+            return self.pool.acquire(nbytes)
+        except PoolExhausted:
+            if not block_for_room or not self._writing:
+                raise
+        self._reap(block=True)  # write-backs in flight hold buffers: let them finish
+        return self.pool.acquire(nbytes)
+
+    def _return_header(self, shard: _Shard) -> None:
+        if shard.header is not None:
+            self.pool.release(shard.header)
+            shard.header = None
+
+    def _return_buffers(self, shard: _Shard) -> None:
+        self._return_header(shard)
+        if shard.buffer is not None:
+            self.pool.release(shard.buffer)
+            shard.buffer = None
+
+    def _shard(self, key: str) -> _Shard:
+        try:
+            return self._shards[key]
+        except KeyError:
+            raise KeyError(f"no shard {key!r} in the store") from None
+
+    def _require_engine(self, key: str) -> FileEngine:
+        if self.engine is None:
+            raise ValueError(f"shard {key!r} asks for tier 'nvme' but the store has no nvme_path; set nvme_path")
+        return self.engine
+
+
+def _view(shard: _Shard) -> torch.Tensor:
+    return shard.buffer.data[: shard.meta.nbytes].view(shard.meta.dtype).view(shard.meta.shape)
+
+
+def _check_directory(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"nvme_path {path!r} is not an existing directory; create it or point nvme_path elsewhere")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another")

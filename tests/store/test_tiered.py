@@ -1,0 +1,301 @@
+"""TieredStore: bitwise round trips on both tiers and both engines, concurrent
+prefetch, write-back after eviction, detection of corrupted, truncated and stale
+files, failed writes that leave nothing readable as valid, the tmpfs warning,
+the pool cap, private files, and nothing left behind after close."""
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload.store import AioSettings, PoolExhausted, ShardLost, State, TieredStore
+from offload.store import shard_file
+from offload.store.shard_file import HEADER_BYTES, ShardMeta
+
+from .conftest import BACKENDS, requires_native
+
+pytestmark = requires_native
+
+SMALL_BLOCKS = AioSettings(block_size=8192, queue_depth=8, thread_count=2)
+
+
+def _store(tmp_path, backend="native", **kw):
+    aio = AioSettings(block_size=8192, queue_depth=8, thread_count=2, backend=backend)
+    return TieredStore(str(tmp_path), aio=aio, pinned_limit_bytes=kw.pop("limit", 64 << 20), **kw)
+
+
+def _tensor(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes // size * size,), dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+CASES = [(0, torch.uint8), (1, torch.uint8), (4095, torch.uint8), (4096, torch.float32), (4097, torch.uint8),
+         (40_000, torch.bfloat16), (123_456, torch.float16), (1_000_004, torch.float32)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_round_trip_is_bitwise(tmp_path, backend, tier):
+    with _store(tmp_path, backend) as store:
+        originals = {f"s{i}": _tensor(n, dt) for i, (n, dt) in enumerate(CASES)}
+        originals["matrix"] = torch.randn(33, 17).bfloat16()
+        for key, t in originals.items():
+            store.put(key, t, tier)
+        store.flush()
+        for key, got in zip(originals, store.get(originals)):
+            assert got.dtype == originals[key].dtype and got.shape == originals[key].shape
+            assert torch.equal(got.view(torch.uint8), originals[key].view(torch.uint8)), key
+
+
+@pytest.mark.slow
+def test_round_trip_of_a_gibibyte(tmp_path):
+    store = TieredStore(str(tmp_path), aio=AioSettings(block_size=8 << 20, queue_depth=16), pinned_limit_bytes=3 << 30)
+    with store:
+        big = torch.randint(0, 256, ((1 << 30) - 12345,), dtype=torch.uint8)
+        store.put("big", big, "nvme")
+        store.flush()
+        assert store.state("big") is State.ON_DISK
+        assert torch.equal(store.get(["big"])[0], big)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_concurrent_prefetches(tmp_path, backend):
+    with _store(tmp_path, backend) as store:
+        originals = {f"p{i}": torch.randn(1000 + 37 * i) for i in range(64)}
+        for key, t in originals.items():
+            store.put(key, t, "nvme")
+        store.flush()
+        store.prefetch(originals)
+        assert {store.state(k) for k in originals} <= {State.READING, State.RESIDENT}
+        for key, got in zip(originals, store.get(originals)):
+            assert torch.equal(got, originals[key])
+        assert store.stats()["io"]["reads"] == 64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_back_after_eviction_then_read(tmp_path, backend):
+    with _store(tmp_path, backend) as store:
+        store.put("w", torch.zeros(5000), "nvme")
+        for step in range(1, 4):
+            (w,) = store.get(["w"])
+            assert torch.equal(w, torch.full((5000,), float(step - 1)))
+            w.add_(1)
+            store.release(["w"], dirty=True)
+            assert store.state("w") is State.WRITING
+            store.flush()
+            assert store.state("w") is State.ON_DISK
+        clean = store.get(["w"])[0].clone()
+        store.release(["w"], dirty=False)
+        assert store.state("w") is State.ON_DISK and torch.equal(store.get(["w"])[0], clean)
+
+
+def test_get_while_writing_keeps_the_buffer(tmp_path):
+    with _store(tmp_path) as store:
+        store.put("k", torch.arange(10_000.0), "nvme")
+        (t,) = store.get(["k"])  # WRITING -> RESIDENT without a read
+        assert torch.equal(t, torch.arange(10_000.0))
+        assert store.stats()["io"]["reads"] == 0
+
+
+def _swap_path(store, key):
+    return store._shard(key).file.path
+
+
+def _damage(path, offset, data):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "where,message",
+    [("data", "data checksum mismatch"), ("header", "header checksum mismatch"), ("magic", "bad magic")],
+)
+def test_corruption_is_detected_and_names_the_file(tmp_path, backend, where, message):
+    with _store(tmp_path, backend) as store:
+        store.put("c", torch.randn(20_000), "nvme")
+        store.flush()
+        path = _swap_path(store, "c")
+        offset = {"data": HEADER_BYTES + 12_345, "header": 40, "magic": 0}[where]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            byte = f.read(1)
+        _damage(path, offset, bytes([byte[0] ^ 0x5A]))
+        with pytest.raises(ShardLost, match=message) as info:
+            store.get(["c"])
+        assert path in str(info.value)
+        with pytest.raises(ShardLost):  # stays lost
+            store.get(["c"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncation_is_detected(tmp_path, backend):
+    with _store(tmp_path, backend) as store:
+        store.put("t", torch.randn(20_000), "nvme")
+        store.flush()
+        path = _swap_path(store, "t")
+        os.truncate(path, HEADER_BYTES + 30_000)
+        with pytest.raises(ShardLost, match=r"short read.*truncated") as info:
+            store.get(["t"])
+        assert path in str(info.value)
+
+
+def test_a_stale_but_intact_file_is_refused(tmp_path):
+    with _store(tmp_path) as store:
+        store.put("s", torch.zeros(5000), "nvme")
+        store.flush()
+        path = _swap_path(store, "s")
+        with open(path, "rb") as f:
+            generation_one = f.read()
+        store.get(["s"])[0].add_(1)
+        store.release(["s"], dirty=True)
+        store.flush()
+        _damage(path, 0, generation_one)  # as if the write-back never reached the disk
+        with pytest.raises(ShardLost, match="write generation 1, expected 2"):
+            store.get(["s"])
+
+
+@pytest.mark.parametrize("first_write", [True, False], ids=["put", "write-back"])
+def test_injected_write_failure_names_file_and_offset_and_leaves_nothing_valid(tmp_path, first_write):
+    with _store(tmp_path) as store:
+        store.put("f", torch.ones(10_000), "nvme")
+        path = _swap_path(store, "f")
+        if first_write:
+            store._shard("f").handle.join()  # let the first write finish, then fail a rewrite of it
+        store.flush()
+        (t,) = store.get(["f"])
+        t.mul_(3)
+        store.engine.inject_fault(store._shard("f").file, errno=errno.ENOSPC, file_offset=HEADER_BYTES + 8192)
+        store.release(["f"], dirty=True)
+        with pytest.raises(ShardLost, match=rf"{path} at offset {HEADER_BYTES + 8192}: No space left on device"):
+            store.flush()
+        assert store.state("f") is State.FAILED
+        with pytest.raises(ShardLost, match="No space left"):
+            store.get(["f"])
+        with open(path, "rb") as f:
+            header = torch.frombuffer(bytearray(f.read(HEADER_BYTES)), dtype=torch.uint8)
+        with pytest.raises(shard_file.CorruptShard):  # the file on disk does not vouch for generation 2
+            shard_file.verify(header, path, ShardMeta((10_000,), torch.float32), 2, 8192, 0)
+
+
+def test_a_first_write_that_fails_leaves_no_header(tmp_path):
+    with _store(tmp_path) as store:
+        engine = store.engine
+        path = os.path.join(store.run_dir, "shard-000000.swap")
+        original_open = engine.open
+
+        def open_with_fault(p, create):
+            f = original_open(p, create)
+            engine.inject_fault(f, errno=errno.EIO, file_offset=HEADER_BYTES)
+            return f
+
+        engine.open = open_with_fault
+        store.put("x", torch.randn(5000), "nvme")
+        with pytest.raises(ShardLost, match="Input/output error"):
+            store.flush()
+        with open(path, "rb") as f:
+            assert f.read(8) != shard_file.MAGIC
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_tmpfs_works_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="tmpfs"):
+        with TieredStore("/dev/shm", aio=SMALL_BLOCKS) as store:
+            store.put("m", torch.randn(3000), "nvme")
+            store.flush()
+            assert torch.equal(store.get(["m"])[0].clone(), store.get(["m"])[0])
+
+
+def test_enospc_on_a_full_filesystem(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tiny tmpfs here")
+    try:
+        with TieredStore(str(mount), aio=SMALL_BLOCKS) as store:
+            with pytest.warns(RuntimeWarning, match="tmpfs"):
+                store.put("fits", torch.randn(10_000), "nvme")
+            store.put("too-big", torch.randn(200_000), "nvme")
+            with pytest.raises(ShardLost, match=r"too-big.*No space left on device"):
+                store.flush()
+            assert torch.equal(store.get(["fits"])[0], store.get(["fits"])[0])
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+def test_pool_cap_is_enforced_and_prefetch_backs_off(tmp_path):
+    with _store(tmp_path, limit=200_000, pool_setting_name="offload_optimizer.pinned_limit_bytes") as store:
+        for i in range(6):
+            store.put(f"k{i}", torch.randn(10_000), "nvme")  # 40 KB each
+        store.flush()
+        store.prefetch([f"k{i}" for i in range(6)])
+        assert store.stats()["io"]["prefetch_skipped"] > 0
+        with pytest.raises(PoolExhausted, match=r"raise offload_optimizer\.pinned_limit_bytes"):
+            store.get([f"k{i}" for i in range(6)])
+        assert store.stats()["pinned"]["peak_bytes"] <= 200_000
+
+
+def test_files_are_private_and_everything_is_removed_on_close(tmp_path):
+    fds_before = set(os.listdir("/proc/self/fd"))
+    store = _store(tmp_path)
+    run_dir = store.run_dir
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    store.put("a", torch.randn(100), "nvme")
+    store.put("b", torch.randn(100), "cpu")
+    assert stat.S_IMODE(os.stat(_swap_path(store, "a")).st_mode) == 0o600
+    store.close()
+    store.close()  # idempotent
+    assert not os.path.exists(run_dir) and os.listdir(tmp_path) == []
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def test_files_are_removed_at_exit_without_close(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch
+        from offload.store import TieredStore
+        store = TieredStore({str(tmp_path)!r})
+        store.put("a", torch.randn(1000), "nvme")
+        store.release([], dirty=True)
+        print(store.run_dir)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert not os.path.exists(out.strip()) and os.listdir(tmp_path) == []
+
+
+def test_accounting_per_tier(tmp_path):
+    with _store(tmp_path) as store:
+        store.put("c", torch.randn(1000), "cpu")
+        store.put("n", torch.randn(1000), "nvme")
+        stats = store.stats()
+        assert stats["cpu"]["bytes"] == 4000
+        assert stats["nvme"]["bytes"] == HEADER_BYTES + 4096
+        assert stats["pinned"]["in_use_bytes"] >= 4096
+        store.flush()
+        assert store.stats()["pinned"]["in_use_bytes"] == 0  # the write finished: buffer back in the pool
+
+
+def test_bad_use_is_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        TieredStore(str(tmp_path / "missing"))
+    with TieredStore() as store:
+        with pytest.raises(ValueError, match="no nvme_path"):
+            store.put("x", torch.zeros(3), "nvme")
+        store.put("x", torch.zeros(3))
+        with pytest.raises(KeyError, match="already exists"):
+            store.put("x", torch.zeros(3))
+        with pytest.raises(KeyError, match="no shard 'y'"):
+            store.get(["y"])
+    with _store(tmp_path) as store:
+        store.put("n", torch.zeros(3), "nvme")
+        store.flush()
+        with pytest.raises(RuntimeError, match="is on_disk, expected resident"):
+            store.release(["n"], dirty=True)

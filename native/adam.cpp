@@ -1,13 +1,12 @@
 // The C entry points of the CPU Adam: argument checks, ISA choice at run time,
 // and the OpenMP split of one step over threads.
-#include <omp.h>
-
-#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "adam_args.h"
 #include "errors.h"
+#include "parallel.h"
 
 namespace offload_native {
 
@@ -15,18 +14,26 @@ namespace {
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-int best_isa() {
+bool cpu_runs(int isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kAvx2;
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case kAvx512: return __builtin_cpu_supports("avx512f");
+    default: return false;
+  }
+}
+
+int best_isa() {
+  for (int isa : {kAvx512, kAvx2}) if (cpu_runs(isa)) return isa;
   return kScalar;
 }
 
-int g_isa = best_isa();
+std::atomic<int> g_isa{best_isa()};
 
-// Below this many elements per thread, waking another thread costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
-// Thread ranges start on 64-element (256-byte) boundaries: whole vectors, whole cache lines.
+// Thread ranges start on 64-element (256-byte) boundaries: whole vectors, whole
+// cache lines, and aligned streaming stores for the copy-out (adam_loop.h).
 constexpr int64_t kRangeAlign = 64;
 
 size_t dtype_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
@@ -40,25 +47,31 @@ struct Span {
 };
 
 int check_buffers(const AdamBuffers& b, int64_t n) {
-  if (n < 0) return fail("adam: n must be >= 0, got %lld", static_cast<long long>(n));
+  if (n < 0 || n > (int64_t{1} << 60))
+    return fail("adam: n must be in [0, 2^60], got %lld", static_cast<long long>(n));
   if (!valid_dtype(b.grad_dtype)) return fail("adam: grad dtype code %d is not 0 (fp32), 1 (bf16) or 2 (fp16)", b.grad_dtype);
   if (b.out != nullptr && b.out_dtype != kBFloat16 && b.out_dtype != kFloat16)
     return fail("adam: out dtype code %d is not 1 (bf16) or 2 (fp16)", b.out_dtype);
   if (n == 0) return 0;
-  const size_t bytes = static_cast<size_t>(n);
-  Span spans[5] = {
-      {"param", reinterpret_cast<uintptr_t>(b.param), 4 * bytes},
-      {"exp_avg", reinterpret_cast<uintptr_t>(b.exp_avg), 4 * bytes},
-      {"exp_avg_sq", reinterpret_cast<uintptr_t>(b.exp_avg_sq), 4 * bytes},
-      {"grad", reinterpret_cast<uintptr_t>(b.grad), dtype_size(b.grad_dtype) * bytes},
-      {"out", reinterpret_cast<uintptr_t>(b.out), 2 * bytes},
+  const size_t elements = static_cast<size_t>(n);
+  const struct {
+    const char* name;
+    const void* ptr;
+    size_t element_size;
+  } buffers[5] = {
+      {"param", b.param, 4}, {"exp_avg", b.exp_avg, 4}, {"exp_avg_sq", b.exp_avg_sq, 4},
+      {"grad", b.grad, dtype_size(b.grad_dtype)}, {"out", b.out, 2},
   };
   const int count = b.out != nullptr ? 5 : 4;
+  Span spans[5];
   for (int i = 0; i < count; ++i) {
-    if (spans[i].begin == 0) return fail("adam: %s is a null pointer", spans[i].name);
-    const size_t align = i == 3 ? dtype_size(b.grad_dtype) : (i == 4 ? 2 : 4);
-    if (spans[i].begin % align != 0) return fail("adam: %s is not %zu-byte aligned", spans[i].name, align);
-    spans[i].end += spans[i].begin;  // end held the length until here
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(buffers[i].ptr);
+    const size_t bytes = buffers[i].element_size * elements;
+    if (begin == 0) return fail("adam: %s is a null pointer", buffers[i].name);
+    if (begin % buffers[i].element_size != 0)
+      return fail("adam: %s is not %zu-byte aligned", buffers[i].name, buffers[i].element_size);
+    if (begin + bytes < begin) return fail("adam: %s wraps around the address space", buffers[i].name);
+    spans[i] = {buffers[i].name, begin, begin + bytes};
   }
   for (int i = 0; i < count; ++i)
     for (int j = i + 1; j < count; ++j)
@@ -95,12 +108,12 @@ int make_consts(double lr, double beta1, double beta2, double eps, double weight
   return 0;
 }
 
-void run_range(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+void run_range(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
   int64_t body_end = begin;
-  if (g_isa == kAvx512) {
+  if (isa == kAvx512) {
     body_end = begin + (end - begin) / kAvx512Width * kAvx512Width;
     adam_range_avx512(b, c, begin, body_end);
-  } else if (g_isa == kAvx2) {
+  } else if (isa == kAvx2) {
     body_end = begin + (end - begin) / kAvx2Width * kAvx2Width;
     adam_range_avx2(b, c, begin, body_end);
   }
@@ -117,18 +130,15 @@ OFFLOAD_API const char* offload_last_error() { return last_error().c_str(); }
 // 0 scalar, 1 AVX2, 2 AVX-512: the best this CPU runs.
 OFFLOAD_API int offload_cpu_isa() { return best_isa(); }
 
-OFFLOAD_API int offload_adam_isa() { return g_isa; }
+OFFLOAD_API int offload_adam_isa() { return g_isa.load(); }
 
 // Tests use this to run every kernel this CPU supports; -1 restores the best.
 OFFLOAD_API int offload_set_adam_isa(int isa) {
-  const int best = best_isa();
-  if (isa == -1) isa = best;
-  if (isa < kScalar || isa > best) return fail("adam: ISA %d is not supported by this CPU (best is %d)", isa, best);
-  g_isa = isa;
+  if (isa == -1) isa = best_isa();
+  if (!cpu_runs(isa)) return fail("adam: ISA %d is not supported by this CPU", isa);
+  g_isa.store(isa);
   return 0;
 }
-
-OFFLOAD_API int offload_default_threads() { return omp_get_max_threads(); }
 
 OFFLOAD_API int offload_adam_step(float* param, float* exp_avg, float* exp_avg_sq, const void* grad, int grad_dtype,
                                   void* out, int out_dtype, int64_t n, double lr, double beta1, double beta2,
@@ -140,18 +150,8 @@ OFFLOAD_API int offload_adam_step(float* param, float* exp_avg, float* exp_avg_s
   if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)
     return -1;
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
-  if (threads == 0) threads = omp_get_max_threads();
-  const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
-  if (team == 1) {
-    run_range(b, c, 0, n);
-    return 0;
-  }
-#pragma omp parallel num_threads(team)
-  {
-    const int64_t nt = omp_get_num_threads();
-    const int64_t per = ((n + nt - 1) / nt + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
-    const int64_t begin = std::min(n, omp_get_thread_num() * per);
-    run_range(b, c, begin, std::min(n, begin + per));
-  }
+  const int isa = g_isa.load();
+  parallel_ranges(n, threads, kMinPerThread, kRangeAlign,
+                  [&](int64_t begin, int64_t end) { run_range(isa, b, c, begin, end); });
   return 0;
 }

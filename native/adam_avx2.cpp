@@ -30,12 +30,12 @@ struct Avx2 {
   static void fence() { _mm_sfence(); }
   template <bool kStream>
   static void store_out(BF16* p, Vec x) {
-    // Round to nearest even in integers; NaN lanes become 0x7fc0 (see adam_scalar.cpp).
+    // Round to nearest even in integers; NaN lanes become 0xffff (see adam_scalar.cpp).
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
     const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(is_nan));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(is_nan));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
     put<kStream>(p, _mm256_castsi256_si128(packed));
   }

@@ -30,13 +30,13 @@ struct Avx512 {
   static void fence() { _mm_sfence(); }
   template <bool kStream>
   static void store_out(BF16* p, Vec x) {
-    // Round to nearest even in integers; NaN lanes become 0x7fc0 (see adam_scalar.cpp).
+    // Round to nearest even in integers; NaN lanes become 0xffff (see adam_scalar.cpp).
     // Not vcvtneps2bf16: it flushes denormal inputs to zero, torch does not.
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7fc0));
+    r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0xffff));
     put<kStream>(p, _mm512_cvtepi32_epi16(r));
   }
   template <bool kStream>

@@ -6,6 +6,8 @@
 // the AVX-512 copy for a caller on a CPU without AVX-512.
 #pragma once
 
+#include <type_traits>
+
 #include "adam_args.h"
 
 namespace offload_native {
@@ -46,7 +48,7 @@ void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t
     V::store(p + i, pi);
     V::store(m + i, mi);
     V::store(v + i, vi);
-    if constexpr (!__is_same(OutT, float)) V::template store_out<kStream>(out + i, pi);
+    if constexpr (!std::is_same_v<OutT, float>) V::template store_out<kStream>(out + i, pi);
   }
   if constexpr (kStream) V::fence();
 }

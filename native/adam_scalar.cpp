@@ -20,10 +20,10 @@ inline float float_of(uint32_t u) {
   return f;
 }
 
-// Round to nearest even; NaN becomes the canonical quiet NaN torch produces.
+// Round to nearest even; NaN becomes 0xffff, as torch's vectorised conversion writes it.
 inline uint16_t float_to_bf16(float f) {
   const uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -32,7 +32,7 @@ inline uint16_t float_to_f16(float f) {
   const uint32_t u = bits_of(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00;     // NaN
+  if (a > 0x7f800000u) return sign | 0x7e00 | static_cast<uint16_t>((a & 0x7fffffu) >> 13);  // NaN: quiet, payload kept (as F16C)
   if (a >= 0x477ff000u) return sign | 0x7c00;    // >= 65520 rounds to infinity
   if (a < 0x38800000u) {                         // below 2^-14: subnormal half
     if (a <= 0x33000000u) return sign;           // <= 2^-25 rounds to zero

@@ -31,6 +31,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "crc32c.h"
@@ -198,14 +199,15 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
   std::vector<iocb> cbs(depth);
   std::vector<iocb*> to_submit;
   std::vector<io_event> events(depth);
+  std::vector<std::pair<Chunk, int64_t>> reaped;
   int inflight = 0;
 
   for (;;) {
     std::vector<Chunk> taken;
     {
       std::unique_lock<std::mutex> lock(e->mu);
-      if (inflight == 0) e->cv.wait(lock, [&] { return e->stop || !e->queue.empty(); });
-      if (e->queue.empty() && inflight == 0 && e->stop) break;
+      if (inflight == 0 && reaped.empty()) e->cv.wait(lock, [&] { return e->stop || !e->queue.empty(); });
+      if (e->queue.empty() && inflight == 0 && reaped.empty() && e->stop) break;
       while (inflight + static_cast<int>(taken.size()) < depth && !e->queue.empty()) {
         taken.push_back(e->queue.front());
         e->queue.pop_front();
@@ -258,13 +260,17 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
         free_slots.push_back(slot);
       }
     }
+    // Chunks reaped last round are finished (checksummed) only now, after their
+    // slots were refilled above, so the device never idles while we checksum.
+    for (const auto& [chunk, result] : reaped) finish_chunk(chunk, result);
+    reaped.clear();
     if (inflight > 0) {
       long n;
       do n = sys_io_getevents(ctx, 1, inflight, events.data());
       while (n < 0 && errno == EINTR);
       for (long i = 0; i < n; ++i) {
         const int slot = static_cast<int>(events[i].data);
-        finish_chunk(slots[slot], static_cast<int64_t>(events[i].res));
+        reaped.emplace_back(slots[slot], static_cast<int64_t>(events[i].res));
         free_slots.push_back(slot);
         --inflight;
       }

@@ -20,7 +20,6 @@ import importlib.machinery
 import os
 from dataclasses import dataclass
 
-_c_float_p = ctypes.POINTER(ctypes.c_float)
 _i64 = ctypes.c_int64
 _int = ctypes.c_int
 _dbl = ctypes.c_double
@@ -34,7 +33,6 @@ _SIGNATURES = {
     "offload_cpu_isa": (_int, []),
     "offload_adam_isa": (_int, []),
     "offload_set_adam_isa": (_int, [_int]),
-    "offload_default_threads": (_int, []),
     "offload_adam_step": (
         _int,
         [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _i64,

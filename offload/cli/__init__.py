@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import bench_adam
+from offload.cli import bench_adam, bench_swap
 from offload.cli.args import UserError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="measure this machine: the CPU Adam, disks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     bench_adam.add_parser(benchmarks)
+    bench_swap.add_parser(benchmarks)
     return parser
 
 

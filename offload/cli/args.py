@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class UserError(Exception):
@@ -20,7 +21,7 @@ def count(text: str) -> int:
         value = float(number) * _SUFFIXES[suffix]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count; write e.g. 1000000, 64M or 1.5B") from None
-    if value < 1 or value != int(value):
+    if not math.isfinite(value) or value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
     return int(value)
 

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import psutil
 import torch
 
 from offload import _native
@@ -32,6 +33,10 @@ STREAM_COPY_BYTES = 2 * 4  # STREAM's own convention: one read, one write
 STREAM_TRIAD_BYTES = 3 * 4
 
 HYPER = AdamHyper(lr=1e-3, weight_decay=0.01)
+# Peak bytes held per parameter while measuring: 24.5 arrays of 4 bytes (our
+# state twice, three torch optimizers with their own params, grads and
+# moments, the bf16 copies, three STREAM arrays).
+BYTES_PER_PARAM_HELD = 98
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -52,16 +57,30 @@ def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
         raise UserError(f"the native library is unavailable, nothing to benchmark: {_native.status().reason}")
     threads = args.threads or available_cores()
+    needed = BYTES_PER_PARAM_HELD * args.params
+    available = psutil.virtual_memory().available
+    if needed > 0.9 * available:
+        raise UserError(f"--params {args.params:,} needs about {needed / 1e9:.1f} GB of RAM for every contender's "
+                        f"buffers, {available / 1e9:.1f} GB is available; pass a smaller --params")
     result = measure(args.params, threads, args.rounds, progress=sys.stderr.isatty())
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
 
 def measure(n: int, threads: int, rounds: int, progress: bool = False) -> dict:
+    previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _measure(n, threads, rounds, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
     torch.manual_seed(0)
     init = torch.randn(n)
     grad = torch.randn(n) * 1e-2
+    max_abs, max_rel = _agreement_with_fused(init, grad, threads)  # first: its arrays are freed before the rest
     grad_bf16 = grad.to(torch.bfloat16)
 
     ours = [init.clone(), torch.zeros(n), torch.zeros(n)]
@@ -118,7 +137,6 @@ def measure(n: int, threads: int, rounds: int, progress: bool = False) -> dict:
     stream_copy = STREAM_COPY_BYTES * n / t["stream_copy"] / 1e9
     stream_triad = STREAM_TRIAD_BYTES * n / t["stream_triad"] / 1e9
     offload_gbps = FP32_BYTES * n / t["offload"] / 1e9
-    max_abs, max_rel = _agreement_with_fused(init, grad, threads)
     return {
         "params": n,
         "threads": threads,

@@ -21,6 +21,7 @@ from offload import _native
 from offload.optim.adam_fallback import adam_step_torch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_THREADS = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -77,9 +78,10 @@ def adam_step(
     fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
-    _require(isinstance(step, int) and step >= 1, f"step must be an int >= 1 (the first step is 1), got {step!r}")
+    _require(isinstance(step, int) and 1 <= step < 2**62, f"step must be an int in [1, 2**62) (the first step is 1), got {step!r}")
     _require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
-    _require(threads is None or threads >= 1, f"threads must be >= 1, got {threads}")
+    _require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
+             f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     if not _native.status().available:
         _warn_fallback_once()
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out)
@@ -104,6 +106,7 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
     for name, t in named.items():
         _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
+        _require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
         _require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
         _require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
     for name in ("param", "exp_avg", "exp_avg_sq"):

@@ -1,9 +1,11 @@
 """``CPUAdam``: a torch.optim.Optimizer for fp32 CPU parameters, on the native kernel.
 
-Drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``
-(``adamw_mode=False``) on CPU tensors: same param groups, same state layout
-(``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts move between them and
-LR schedulers work unchanged.
+Stands in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam``
+(``adamw_mode=False``) on contiguous fp32 CPU parameters: same param groups,
+same state layout (``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts move
+between them and LR schedulers work unchanged. Defaults follow DeepSpeed's
+CPU Adam (``weight_decay=0``); torch's AdamW defaults to 0.01, so pass it when
+switching.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload.optim.adam import AdamHyper, adam_step, available_cores
+from offload.optim.adam import MAX_THREADS, AdamHyper, adam_step, available_cores
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -34,8 +36,8 @@ class CPUAdam(torch.optim.Optimizer):
             adamw_mode=adamw_mode, bias_correction=bias_correction,
         )
         _hyper(defaults)  # fail at construction, not at the first step
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_THREADS):
+            raise ValueError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
         self.threads = threads or available_cores()
         super().__init__(params, defaults)
 

@@ -60,6 +60,25 @@ class AioSettings:
         if self.backend not in BACKENDS:
             raise ValueError(f"aio backend must be one of {BACKENDS}, got {self.backend!r}")
 
+    @classmethod
+    def from_dict(cls, block: dict) -> AioSettings:
+        """From a DeepSpeed-style ``aio`` block. ``intra_op_parallelism`` is
+        DeepSpeed's name for ``thread_count``. ``single_submit`` and
+        ``overlap_events`` tune libaio submission in DeepSpeed; this engine
+        always submits in batches and reaps while it submits, so they are
+        accepted and have no effect."""
+        known = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
+                 "overlap_events", "use_direct", "backend"}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            raise ValueError(f"aio: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+        if "thread_count" in block and "intra_op_parallelism" in block and block["thread_count"] != block["intra_op_parallelism"]:
+            raise ValueError("aio: thread_count and intra_op_parallelism are synonyms but differ; give one")
+        fields = {k: block[k] for k in ("block_size", "queue_depth", "thread_count", "use_direct", "backend") if k in block}
+        if "intra_op_parallelism" in block:
+            fields["thread_count"] = block["intra_op_parallelism"]
+        return cls(**fields)
+
 
 @dataclass
 class SwapFile:

@@ -164,12 +164,22 @@ class TieredStore:
             return
         engine = self._require_engine(key)
         self._reap(block=False)
+        buffer = self._acquire(meta.padded_nbytes, key)
         path = os.path.join(self._cleanup.run_dir, f"shard-{len(self._cleanup.files):06d}.swap")
-        shard = _Shard(key, meta, tier, State.RESIDENT, file=engine.open(path, create=True))
-        self._cleanup.files.append(shard.file)
+        try:
+            file = engine.open(path, create=True)
+        except SwapIOError:
+            self.pool.release(buffer)
+            raise
+        self._cleanup.files.append(file)  # removed at close even if the next step fails
+        try:
+            _preallocate(file, HEADER_BYTES + meta.padded_nbytes)
+        except SwapIOError:
+            self.pool.release(buffer)
+            raise
+        shard = _Shard(key, meta, tier, State.RESIDENT, file=file, buffer=buffer)
         self._shards[key] = shard
         self._tiers[Tier.NVME].add(HEADER_BYTES + meta.padded_nbytes)
-        shard.buffer = self._acquire(meta.padded_nbytes, key)
         _view(shard).view(-1).copy_(source)
         self._start_write(shard)
 
@@ -226,6 +236,10 @@ class TieredStore:
 
     def state(self, key: str) -> State:
         return self._shard(key).state
+
+    def swap_paths(self) -> list[str]:
+        """The swap files, for tools that measure or inspect them."""
+        return [f.path for f in self._cleanup.files]
 
     def keys(self) -> list[str]:
         return list(self._shards)
@@ -363,6 +377,15 @@ class TieredStore:
 
 def _view(shard: _Shard) -> torch.Tensor:
     return shard.buffer.data[: shard.meta.nbytes].view(shard.meta.dtype).view(shard.meta.shape)
+
+
+def _preallocate(file: SwapFile, nbytes: int) -> None:
+    # Direct writes that extend a file are serialised by the filesystem (ext4
+    # updates the size under the inode lock); writes into allocated blocks are not.
+    try:
+        os.posix_fallocate(file.fd, 0, nbytes)
+    except OSError as exc:
+        raise SwapIOError(f"preallocate {nbytes:,} bytes for {file.path}: {exc.strerror} (errno {exc.errno})") from exc
 
 
 def _check_directory(path: str) -> None:

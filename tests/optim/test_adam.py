@@ -2,8 +2,6 @@
 200 steps, bitwise equal across kernels, thread counts and the fallback, exact
 low-precision copy-out, and clear errors for bad input."""
 
-import ctypes
-
 import pytest
 import torch
 
@@ -38,11 +36,18 @@ def restore_isa():
         _native.set_adam_isa(None)
 
 
-@requires_native
+def _fallback_step(param, grad, m, v, hyper, step):
+    adam_step_torch(param, grad, m, v, hyper, step, 1.0, None)
+
+
+IMPLEMENTATIONS = [pytest.param(adam_step, marks=requires_native, id="native"), pytest.param(_fallback_step, id="fallback")]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("torch_cls,weight_decay,decoupled", MODES, ids=["plain", "adamw", "adam_l2"])
-def test_matches_torch_over_200_steps(n, grad_dtype, torch_cls, weight_decay, decoupled):
+def test_matches_torch_over_200_steps(impl, n, grad_dtype, torch_cls, weight_decay, decoupled):
     init = torch.randn(n)
     ref = init.clone().requires_grad_()
     ref_opt = torch_cls([ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay, foreach=False)
@@ -52,7 +57,7 @@ def test_matches_torch_over_200_steps(n, grad_dtype, torch_cls, weight_decay, de
         grad = torch.randn(n).to(grad_dtype)
         ref.grad = grad.float()
         ref_opt.step()
-        adam_step(param, grad, m, v, hyper, step)
+        impl(param, grad, m, v, hyper, step)
     torch.testing.assert_close(param, ref.detach())
     torch.testing.assert_close(m, ref_opt.state[ref]["exp_avg"])
     torch.testing.assert_close(v, ref_opt.state[ref]["exp_avg_sq"])
@@ -61,7 +66,7 @@ def test_matches_torch_over_200_steps(n, grad_dtype, torch_cls, weight_decay, de
 @requires_native
 def test_grad_scale_equals_scaled_gradient():
     n = 1000
-    a, b = torch.randn(n), None
+    a = torch.randn(n)
     b = a.clone()
     ma, va, mb, vb = (torch.zeros(n) for _ in range(4))
     hyper = AdamHyper(weight_decay=0.01)
@@ -93,32 +98,52 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
             assert torch.equal(a, b)
 
 
+def _awkward_floats(n: int) -> torch.Tensor:
+    """Every class of fp32 value a conversion can get wrong: signed zeros,
+    subnormals, values at and around the bf16/fp16 rounding ties, fp16's
+    overflow edge (65504, 65520), infinities, NaN, and random bit patterns."""
+    special = torch.tensor([
+        0.0, -0.0, 1e-45, -1e-45, 1e-40, 5.9604645e-08, 2.9802322e-08, 6.1035156e-05, 6.097555e-05,
+        65504.0, 65519.996, 65520.0, -65520.0, 1e30, float("inf"), float("-inf"), float("nan"),
+        1.00390625, 1.01171875, 1.0009765625, 1.0029296875, 3.4028235e38,
+    ])
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (n - special.numel(),), dtype=torch.int32).view(torch.float32)
+    return torch.cat([special, random_bits])
+
+
 @requires_native
 @pytest.mark.parametrize("isa", _supported_isas())
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned-streaming", "misaligned"])
 def test_copy_out_equals_to_dtype(isa, out_dtype, offset, restore_isa):
     _native.set_adam_isa(isa)
-    n = 65_537
-    param = torch.randn(n) * torch.logspace(-30, 30, n)  # tiny, huge (fp16 overflow), and subnormal results
+    n = 1_000_003
+    param = _awkward_floats(n)
+    before = param.clone()
     out = torch.empty(n + offset, dtype=out_dtype)[offset:]
-    adam_step(param, torch.randn(n), torch.zeros(n), torch.zeros(n), AdamHyper(), 1, out=out)
+    # lr = 0 leaves param unchanged (but for signalling NaNs, which arithmetic
+    # quiets), so the copy-out sees exactly these values.
+    adam_step(param, torch.zeros(n), torch.zeros(n), torch.zeros(n), AdamHyper(lr=0.0), 1, out=out)
+    numbers = ~before.isnan()
+    assert torch.equal(param.isnan(), before.isnan())
+    assert torch.equal(param[numbers].view(torch.int32), before[numbers].view(torch.int32))
     assert torch.equal(out.view(torch.int16), param.to(out_dtype).view(torch.int16))
 
 
 @requires_native
-def test_one_and_two_threads_are_bitwise_identical():
+def test_thread_counts_are_bitwise_identical():
     n = 1_000_003
     runs = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3, 7):
         torch.manual_seed(1)
         tensors = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
         out = torch.empty(n, dtype=torch.bfloat16)
         for step in range(1, 4):
             adam_step(*tensors[:1], torch.randn(n), *tensors[1:], AdamHyper(weight_decay=0.1), step, out=out, threads=threads)
         runs.append(tensors + [out])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
 
 
 def _good(n=16):
@@ -132,6 +157,7 @@ BAD_INPUTS = {
     "length mismatch": (dict(exp_avg=torch.zeros(15)), "exp_avg has 15 elements but param has 16"),
     "meta tensor": (dict(grad=torch.randn(16, device="meta")), "grad is on meta"),
     "not a tensor": (dict(grad=[0.0] * 16), "grad must be a torch.Tensor"),
+    "sparse grad": (dict(grad=torch.randn(16).to_sparse()), "grad has layout torch.sparse_coo"),
 }
 
 
@@ -168,30 +194,47 @@ def test_bad_hyper_parameters_raise_value_error(hyper, message):
         AdamHyper(**hyper)
 
 
-def test_bad_step_raises_value_error():
-    with pytest.raises(ValueError, match="step must be an int >= 1"):
-        adam_step(*_good().values(), AdamHyper(), 0)
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(step=0), "step must be an int in"),
+        (dict(step=2**64), "step must be an int in"),
+        (dict(step=1.5), "step must be an int in"),
+        (dict(threads=0), "threads must be an int in"),
+        (dict(threads=2**40), "threads must be an int in"),
+        (dict(grad_scale=float("inf")), "grad_scale must be finite"),
+        (dict(out=torch.empty(16, dtype=torch.float32)), "out must be bfloat16 or float16"),
+        (dict(out=torch.empty(15, dtype=torch.bfloat16)), "out has 15 elements"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, message):
+    kwargs = {"step": 1, **kwargs}
+    step = kwargs.pop("step")
+    with pytest.raises(ValueError, match=message):
+        adam_step(*_good().values(), AdamHyper(), step, **kwargs)
 
 
 @requires_native
 def test_native_checks_what_it_is_given():
     """Called directly, past the Python checks, the library still refuses bad pointers."""
     step = _native.lib().offload_adam_step
-    buf = torch.zeros(64)
+    buf = torch.zeros(256)  # four 64-float regions: p, p+256, p+512, p+768
     p = buf.data_ptr()
     common = (0.001, 0.9, 0.999, 1e-8, 0.0, 1, 1, 1, 1.0, 1)
     cases = {
-        "overlap": ((p, p + 64, p + 128, p + 192, 0, None, 0, 32) + common, "param and exp_avg overlap"),
-        "null": ((None, p, p + 64, p + 128, 0, None, 0, 8) + common, "param is a null pointer"),
-        "misaligned": ((p + 1, p + 64, p + 128, p + 192, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
-        "dtype code": ((p, p + 64, p + 128, p + 192, 7, None, 0, 8) + common, "grad dtype code 7"),
-        "negative n": ((p, p + 64, p + 128, p + 192, 0, None, 0, -1) + common, "n must be >= 0"),
+        "overlap": ((p, p + 64, p + 512, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
+        "null": ((None, p, p + 256, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
+        "misaligned": ((p + 1, p + 256, p + 512, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
+        "grad dtype code": ((p, p + 256, p + 512, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
+        "out dtype code": ((p, p + 256, p + 512, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
+        "negative n": ((p, p + 256, p + 512, p + 768, 0, None, 0, -1) + common, "n must be in"),
+        "bad beta": ((p, p + 256, p + 512, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
+        "negative threads": ((p, p + 256, p + 512, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
     }
     for args, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):
             _native.check(step(*args))
-    assert isinstance(_native.NativeError("x"), ValueError)
-    assert ctypes.sizeof(ctypes.c_void_p) == 8
+    assert all(buf == 0)  # nothing was written
 
 
 def test_empty_tensors_are_a_no_op():
@@ -216,17 +259,21 @@ def test_gil_is_released_during_the_step():
         while not stop.is_set():
             ticks[0] += 1
 
-    counter = threading.Thread(target=count)
-    counter.start()
-    try:
+    def share_of_free_rate():
         start, t0 = ticks[0], time.perf_counter()
         time.sleep(0.2)
         free_rate = (ticks[0] - start) / (time.perf_counter() - t0)
         start, t0 = ticks[0], time.perf_counter()
         for step in range(1, 6):
             adam_step(tensors[0], tensors[1], tensors[2], tensors[3], AdamHyper(), step, threads=1)
-        busy_rate = (ticks[0] - start) / (time.perf_counter() - t0)
+        return (ticks[0] - start) / (time.perf_counter() - t0) / free_rate
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        # Measured here: about 1.0 with the GIL released, 0.3 with it held. A
+        # busy neighbour can starve the counter for a moment: best of three.
+        assert max(share_of_free_rate() for _ in range(3)) > 0.6
     finally:
         stop.set()
         counter.join()
-    assert busy_rate > 0.6 * free_rate  # measured: about 1.0 released, 0.3 held

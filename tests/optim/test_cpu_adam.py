@@ -100,7 +100,7 @@ def test_bad_construction_is_refused():
     params = _model().parameters()
     with pytest.raises(ValueError, match="beta2"):
         CPUAdam(params, betas=(0.9, 1.5))
-    with pytest.raises(ValueError, match="threads must be >= 1"):
+    with pytest.raises(ValueError, match="threads must be an int in"):
         CPUAdam(_model().parameters(), threads=0)
 
 

@@ -33,6 +33,16 @@ def test_bad_settings_name_the_field(field, value):
         AioSettings(**{field: value})
 
 
+def test_settings_from_a_deepspeed_aio_block():
+    block = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2, "single_submit": False,
+             "overlap_events": True}
+    assert AioSettings.from_dict(block) == AioSettings(block_size=1 << 20, queue_depth=8, thread_count=2)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['queue_dpeth'\]"):
+        AioSettings.from_dict({"queue_dpeth": 8})
+    with pytest.raises(ValueError, match="synonyms but differ"):
+        AioSettings.from_dict({"thread_count": 1, "intra_op_parallelism": 2})
+
+
 def _write_read(engine, path, payload: torch.Tensor):
     pool = PinnedPool(1 << 26)
     meta = ShardMeta.of(payload)

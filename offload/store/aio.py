@@ -118,41 +118,32 @@ def make_engine(settings: AioSettings) -> FileEngine:
     return NativeEngine(settings)
 
 
-class _Result:
-    """The outcome of one request, kept so that wait() can be repeated."""
+class _Handle:
+    """Common to both engines' handles: the outcome is kept, so ``wait()`` can
+    be repeated and always gives the same answer; the buffers are kept alive
+    until the request is done."""
 
-    def __init__(self) -> None:
-        self.finished = False
-        self.crc = 0
-        self.error: SwapIOError | None = None
+    def __init__(self, keepalive: tuple) -> None:
+        self._keepalive = keepalive
+        self._finished = False
+        self._crc = 0
+        self._error: SwapIOError | None = None
 
-    def get(self) -> int:
-        if self.error is not None:
-            raise self.error
-        return self.crc
-
-
-class NativeHandle:
-    def __init__(self, pointer: int, keepalive: tuple) -> None:
-        self._pointer = pointer
-        self._keepalive = keepalive  # the buffers must outlive the I/O
-        self._result = _Result()
-
-    def done(self) -> bool:
-        return self._result.finished or bool(_native.lib().offload_aio_done(self._pointer))
+    def _complete(self) -> int:
+        """Block until the request is done; return its data CRC or raise SwapIOError."""
+        raise NotImplementedError
 
     def wait(self) -> int:
-        if not self._result.finished:
-            crc = ctypes.c_uint32(0)
-            rc = _native.lib().offload_aio_wait(self._pointer, ctypes.byref(crc))
-            if rc != 0:
-                self._result.error = SwapIOError(_native.last_error())
-            self._result.crc = crc.value
-            self._result.finished = True
-            _native.lib().offload_aio_free(self._pointer)
-            self._pointer = None
+        if not self._finished:
+            try:
+                self._crc = self._complete()
+            except SwapIOError as exc:
+                self._error = exc
+            self._finished = True
             self._keepalive = ()
-        return self._result.get()
+        if self._error is not None:
+            raise self._error
+        return self._crc
 
     def join(self) -> None:
         try:
@@ -160,8 +151,27 @@ class NativeHandle:
         except SwapIOError:
             pass
 
+
+class NativeHandle(_Handle):
+    def __init__(self, pointer: int, keepalive: tuple) -> None:
+        super().__init__(keepalive)
+        self._pointer = pointer
+
+    def done(self) -> bool:
+        return self._finished or bool(_native.lib().offload_aio_done(self._pointer))
+
+    def _complete(self) -> int:
+        crc = ctypes.c_uint32(0)
+        rc = _native.lib().offload_aio_wait(self._pointer, ctypes.byref(crc))  # GIL released
+        message = _native.last_error() if rc != 0 else ""
+        _native.lib().offload_aio_free(self._pointer)
+        self._pointer = None
+        if rc != 0:
+            raise SwapIOError(message)
+        return crc.value
+
     def __del__(self) -> None:
-        if self._pointer is not None:
+        if getattr(self, "_pointer", None) is not None:
             self.join()
 
 
@@ -265,30 +275,16 @@ class AiofilesEngine:
             self._loop.close()
 
 
-class _FutureHandle:
+class _FutureHandle(_Handle):
     def __init__(self, future, keepalive: tuple) -> None:
+        super().__init__(keepalive)
         self._future = future
-        self._keepalive = keepalive
-        self._result = _Result()
 
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> int:
-        if not self._result.finished:
-            try:
-                self._result.crc = self._future.result()
-            except SwapIOError as exc:
-                self._result.error = exc
-            self._result.finished = True
-            self._keepalive = ()
-        return self._result.get()
-
-    def join(self) -> None:
-        try:
-            self.wait()
-        except SwapIOError:
-            pass
+    def _complete(self) -> int:
+        return self._future.result()
 
 
 async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None,

@@ -1,0 +1,266 @@
+"""Typed, validated configuration, read from DeepSpeed-style JSON.
+
+Every field is a keyword-only dataclass field with its DeepSpeed key name, its
+default and its bounds. ``Config.load`` takes a path, a dict or a Config and
+checks everything at the edge:
+
+  - an unknown key is an error naming it and the nearest valid key;
+  - a DeepSpeed key that only tunes DeepSpeed's own internals is accepted, and
+    all such keys are listed in one warning (``TUNING_KEYS``);
+  - a DeepSpeed key whose meaning this engine does not implement is an error
+    saying so (``REFUSED_KEYS``);
+  - a wrong type or an out-of-range value is an error naming the field.
+"""
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload.store.aio import AioSettings
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+def _f(default, doc: str, **bounds):
+    """A config field: default, one line of documentation, bounds (ge, gt, le, lt, choices)."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata={"doc": doc, **bounds})
+    return field(default=default, metadata={"doc": doc, **bounds})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamParams:
+    lr: float = _f(1e-3, "learning rate", ge=0)
+    betas: tuple[float, float] = _f((0.9, 0.999), "Adam's beta1, beta2, each in [0, 1)")
+    eps: float = _f(1e-8, "added to the denominator", ge=0)
+    weight_decay: float = _f(0.0, "weight decay (decoupled in AdamW mode, else L2)", ge=0)
+    adam_w_mode: bool = _f(True, "decoupled (AdamW) weight decay; as in DeepSpeed, also for type Adam")
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    type: str = _f("AdamW", "Adam or AdamW (others are refused)", choices=("Adam", "AdamW"))
+    params: AdamParams = _f(AdamParams(), "the optimizer's hyper-parameters")
+
+    def __post_init__(self) -> None:
+        if self.type == "AdamW" and not self.params.adam_w_mode:
+            raise ConfigError("optimizer.type AdamW with params.adam_w_mode false; use type Adam for L2 weight decay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    enabled: bool = _f(False, "compute in bfloat16 (fp32 master weights); no loss scaling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    enabled: bool = _f(False, "compute in float16 (fp32 master weights) with loss scaling")
+    loss_scale: float = _f(0.0, "static loss scale; 0 means dynamic", ge=0)
+    initial_scale_power: int = _f(16, "dynamic scaling starts at 2**this", ge=0, le=64)
+    loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", ge=1)
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves", ge=1)
+    min_loss_scale: float = _f(1.0, "the scale never goes below this", gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    device: str = _f("none", "where optimizer state lives: none (accelerator), cpu, nvme", choices=("none", "cpu", "nvme"))
+    nvme_path: str | None = _f(None, "directory for swap files (device nvme)")
+    pin_memory: bool = _f(True, "pin host buffers when CUDA is available")
+    buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pinned pool cap)", ge=2)
+    pipeline_read: bool = _f(True, "nvme: read sub-group i+1 while i is updated")
+    pipeline_write: bool = _f(True, "nvme: write sub-group i-1 back while i is updated")
+    delayed_update: bool = _f(False, "one-step delayed parameter update (DPU): the CPU step overlaps the next forward/backward")
+    delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    stage: int = _f(2, "1: partition optimizer state; 2: also gradients", choices=(1, 2))
+    sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
+    reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
+    overlap_comm: bool = _f(False, "accepted; collectives run synchronously in this version")
+    contiguous_gradients: bool = _f(True, "accepted; gradients are always copied into contiguous buckets")
+    offload_optimizer: OffloadOptimizerConfig = _f(OffloadOptimizerConfig(), "optimizer state tier")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    train_batch_size: int | None = _f(None, "micro batch x accumulation x world size, checked if given", ge=1)
+    train_micro_batch_size_per_gpu: int = _f(1, "samples per forward on each rank", ge=1)
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", ge=1)
+    gradient_clipping: float = _f(0.0, "clip the global gradient norm to this; 0 = off", ge=0)
+    optimizer: OptimizerConfig = _f(OptimizerConfig(), "optimizer")
+    bf16: BF16Config = _f(BF16Config(), "bfloat16 compute")
+    fp16: FP16Config = _f(FP16Config(), "float16 compute with loss scaling")
+    zero_optimization: ZeroConfig = _f(ZeroConfig(), "ZeRO stage and offload")
+    aio: AioSettings = _f(AioSettings(), "swap file I/O: block_size, queue_depth, thread_count (intra_op_parallelism)")
+
+    def __post_init__(self) -> None:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        offload = self.zero_optimization.offload_optimizer
+        if offload.device == "nvme" and not offload.nvme_path:
+            raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set it to a directory on the NVMe disk")
+        if offload.delayed_update and offload.device == "none":
+            raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
+
+    @staticmethod
+    def load(source: "str | os.PathLike | dict | Config") -> "Config":
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            try:
+                with open(source) as f:
+                    data = json.load(f)
+            except OSError as exc:
+                raise ConfigError(f"cannot read config {os.fspath(source)!r}: {exc.strerror}") from None
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config {os.fspath(source)!r} is not valid JSON: {exc}") from None
+        elif isinstance(source, dict):
+            data = source
+        else:
+            raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
+        tuning: list[str] = []
+        config = _build(Config, data, "", tuning)
+        if tuning:
+            warnings.warn("offload: these DeepSpeed keys tune DeepSpeed's own internals and have no effect here: "
+                          + ", ".join(sorted(tuning)), UserWarning, stacklevel=2)
+        return config
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16.enabled else "float16" if self.fp16.enabled else "float32"
+
+
+# DeepSpeed keys that only tune DeepSpeed's own machinery: accepted, warned about once.
+TUNING_KEYS = {
+    "": {"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
+         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "timers", "prescale_gradients"},
+    "zero_optimization": {"allgather_bucket_size", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
+                          "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
+                          "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_live_parameters",
+                          "stage3_max_reuse_distance", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                          "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
+    "zero_optimization.offload_optimizer": {"fast_init"},
+    "fp16": {"consecutive_hysteresis"},
+}
+
+# DeepSpeed keys whose meaning this engine does not implement: errors that say so.
+REFUSED_KEYS = {
+    "": {"pipeline": "pipeline parallelism is not implemented", "tensor_parallel": "tensor parallelism is not implemented",
+         "scheduler": "DeepSpeed LR schedulers are not implemented; drive engine.optimizer with a torch.optim.lr_scheduler",
+         "amp": "apex AMP is not supported; use bf16 or fp16", "sparse_attention": "sparse attention is not implemented",
+         "moe": "mixture-of-experts is not implemented", "activation_checkpointing": "use torch.utils.checkpoint in the model",
+         "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",
+         "gradient_predivide_factor": "gradients are averaged once, after the reduction",
+         "communication_data_type": "gradients are reduced in the compute dtype"},
+    "zero_optimization": {"offload_param": "parameter offload is stage 3, which is not implemented yet",
+                          "cpu_offload": "use offload_optimizer.device = cpu"},
+    "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
+    "fp16": {"auto_cast": "compute dtype follows the model's parameters; auto_cast is not implemented"},
+}
+
+def _build(cls, data: Any, path: str, tuning: list[str]):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'the config'} must be a JSON object, got {type(data).__name__}")
+    if cls is AioSettings:
+        try:
+            return AioSettings.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key in REFUSED_KEYS.get(path, {}):
+            raise ConfigError(f"{where}: {REFUSED_KEYS[path][key]}; remove it")
+        if key in TUNING_KEYS.get(path, ()):
+            tuning.append(where)
+            continue
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields) + sorted(TUNING_KEYS.get(path, ())), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
+            raise ConfigError(f"unknown key {where!r}{hint}")
+        values[key] = _value(hints[key], fields[key], value, where, tuning)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _value(hint, f, value, where: str, tuning: list[str]):
+    if dataclasses.is_dataclass(hint) or hint is AioSettings:
+        return _build(hint, value, where, tuning)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
+            raise ConfigError(f"{where} must be a list of numbers, got {value!r}")
+        return tuple(float(v) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+    elif hint is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 1e8 in JSON is a float
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+    elif hint is float:
+        if not _is_number(value) or not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        value = float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{where} must be one of {list(meta['choices'])}, got {value!r}")
+    for bound, ok, words in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                             ("le", lambda a, b: a <= b, "<=")):
+        if bound in meta and not ok(value, meta[bound]):
+            raise ConfigError(f"{where} must be {words} {meta[bound]}, got {value!r}")
+    return value
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def reference() -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every supported key, for the README's config reference."""
+    rows = []
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hint):
+                walk(hint, key + ".")
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                rows.append((key, default, f.metadata.get("doc", "")))
+
+    walk(Config, "")
+    return rows

@@ -1,0 +1,278 @@
+"""The engine: forward, backward, step at accumulation boundaries, loss scaling,
+clipping, the delayed update, state dict and memory report. Glue only: the
+layout, the gradient reducer, the shard optimizer and the store do the work.
+
+Per optimizer step on each rank (Note [flat layout] in zero/layout.py):
+  backward   gradients -> buckets -> reduce-scatter -> owned fp32 gradient
+             (stage 2: bucket by bucket during backward; stage 1: at the boundary)
+  step       overflow check and global norm (all-reduce across ranks), then the
+             shard optimizer updates the owned master weights and writes the
+             compute-dtype copy into the staging buffer; ``publish`` copies it
+             into this rank's parts of the flat weights and all-gathers each bucket.
+
+Note [delayed parameter update]
+With ``offload_optimizer.delayed_update``, after ``delayed_update_warmup``
+plain steps, the CPU step for step t runs on a worker thread while the
+forward and backward of step t+1 run, and its weights are published at the
+boundary of step t+1. So step t+1's gradient is taken at the weights of step
+t-1: every gradient is one update stale, as in the ZeRO-Offload paper. The
+global norm, clipping and overflow checks still use the gradient being applied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.config import Config
+from offload.zero import comm
+from offload.zero.grads import GradientReducer
+from offload.zero.layout import FlatLayout
+from offload.zero.loss_scale import LossScaler
+from offload.zero.optimizer import ShardOptimizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds of the last optimizer step's phases (for ``offload bench step``)."""
+
+    reduce: float = 0.0
+    optimizer: float = 0.0
+    publish: float = 0.0
+    dpu_wait: float = 0.0
+    optimizer_detail: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: Config) -> None:
+        self.module = model
+        self.config = config
+        self.rank, self.world = comm.world()
+        zero = config.zero_optimization
+        offload = zero.offload_optimizer
+        self.accumulation = config.gradient_accumulation_steps
+        if config.train_batch_size is not None:
+            expected = config.train_micro_batch_size_per_gpu * self.accumulation * self.world
+            if config.train_batch_size != expected:
+                raise ValueError(
+                    f"train_batch_size {config.train_batch_size} != train_micro_batch_size_per_gpu "
+                    f"{config.train_micro_batch_size_per_gpu} x gradient_accumulation_steps {self.accumulation} "
+                    f"x world size {self.world} = {expected}; fix one of them")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self.device = named[0][1].device
+        self.dtype = _DTYPES[config.compute_dtype_name]
+        self.layout = FlatLayout(named, self.rank, self.world, zero.reduce_bucket_size)
+
+        master_flat = torch.zeros(self.layout.total)
+        for slot in self.layout.slots:
+            master_flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        master_owned = torch.empty(self.layout.owned)
+        self.layout.owned_from_flat(master_flat, master_owned)
+        if self.dtype != torch.float32:
+            model.to(self.dtype)
+        self.flat_params = master_flat.to(self.device, self.dtype)
+        for slot in self.layout.slots:
+            slot.param.data = self.flat_params[slot.offset : slot.offset + slot.numel].view(slot.param.shape)
+        del master_flat
+
+        offloaded = offload.device != "none"
+        host = dict(device="cpu", pin_memory=offload.pin_memory and torch.cuda.is_available())
+        where = host if offloaded else dict(device=self.device)
+        self._grads = [torch.zeros(self.layout.owned, **where)]
+        self.staging = torch.empty(self.layout.owned, dtype=self.dtype, **where)
+        self.reducer = GradientReducer(self.layout, zero.stage, self.device, self.dtype, self._grads[0])
+        self.optimizer = ShardOptimizer(master_owned, config, self.device)
+        self.scaler = LossScaler(config.fp16)
+        self.delayed = offload.delayed_update
+        self.delay_warmup = offload.delayed_update_warmup
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-dpu") if self.delayed else None
+        self._pending: concurrent.futures.Future | None = None
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.times = PhaseTimes()
+
+    # -- training ------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled for fp16, divided over accumulation steps)."""
+        (loss * (self.scaler.scale / self.accumulation)).backward()
+        self.reducer.end_of_backward()
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Gradients are consumed by the reducer as they are produced; kept for API compatibility."""
+        for slot in self.layout.slots:
+            slot.param.grad = None
+
+    @property
+    def is_boundary(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.accumulation == 0
+
+    def step(self) -> None:
+        """The optimizer step, at gradient-accumulation boundaries only."""
+        if not self.is_boundary or self.micro_steps // self.accumulation == self.global_steps:
+            return
+        self.times = PhaseTimes()
+        start = time.perf_counter()
+        self.reducer.at_boundary()
+        grads = self.reducer.owned_grads
+        self.times.reduce = time.perf_counter() - start
+        if self.scaler.enabled and self._overflow(grads):
+            grads.zero_()
+            self.scaler.update(overflow=True)
+            self.skipped_steps += 1
+            self.global_steps += 1
+            return
+        multiplier = 1.0 / (self.world * self.scaler.scale)
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            squares = torch.tensor([grads.double().square().sum().item()], dtype=torch.float64, device=self._comm_device)
+            self.last_grad_norm = comm.all_reduce(squares).sqrt().item() * multiplier
+            coefficient = clip / (self.last_grad_norm + 1e-6)
+            if coefficient < 1.0:
+                multiplier *= coefficient
+        if self.delayed and self.global_steps >= self.delay_warmup:
+            self._delayed_step(grads, multiplier)
+        else:
+            start = time.perf_counter()
+            self.optimizer.step(grads, multiplier, self.staging)
+            self.times.optimizer = time.perf_counter() - start
+            self.times.optimizer_detail = dict(vars(self.optimizer.times))
+            grads.zero_()
+            self._publish()
+        self.scaler.update(overflow=False)
+        self.global_steps += 1
+
+    def _delayed_step(self, grads: torch.Tensor, multiplier: float) -> None:
+        """Note [delayed parameter update]: publish step t-1, start step t in the background."""
+        self._finish_pending()
+        if len(self._grads) == 1:
+            self._grads.append(torch.zeros_like(grads))
+        spare = next(g for g in self._grads if g is not grads)
+        spare.zero_()
+        self.reducer.owned_grads = spare  # the next accumulation window fills the other buffer
+
+        def update():
+            start = time.perf_counter()
+            self.optimizer.step(grads, multiplier, self.staging)
+            return time.perf_counter() - start
+
+        self._pending = self._worker.submit(update)
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        start = time.perf_counter()
+        self.times.optimizer = self._pending.result()  # re-raises the worker's error here
+        self.times.dpu_wait = time.perf_counter() - start
+        self.times.optimizer_detail = dict(vars(self.optimizer.times))
+        self._pending = None
+        self._publish()
+
+    def synchronize(self) -> None:
+        """Apply a delayed update still in flight, so the model holds the latest weights."""
+        self._finish_pending()
+
+    def _publish(self) -> None:
+        start = time.perf_counter()
+        for bucket in self.layout.buckets:
+            mine = self.flat_params[bucket.part_range(self.rank)]
+            mine.copy_(self.staging[bucket.owned_range()], non_blocking=True)
+            if self.world > 1:
+                comm.all_gather(self.flat_params[bucket.flat_range()], mine.clone())
+        self.times.publish = time.perf_counter() - start
+
+    def _overflow(self, grads: torch.Tensor) -> bool:
+        flag = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], device=self._comm_device)
+        return bool(comm.all_reduce(flag, op="max").item())
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device  # NCCL needs device tensors; gloo takes CPU ones, and on CPU they coincide
+
+    # -- state and reporting -------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with fp32 master weights for every trainable
+        parameter, gathered from all ranks (a collective: call it on every rank)."""
+        self.synchronize()
+        owned = self.optimizer.master()
+        full = torch.zeros(self.layout.total)
+        for bucket in self.layout.buckets:
+            part = owned[bucket.owned_range()].to(self._comm_device)
+            gathered = torch.empty(bucket.size, device=self._comm_device)
+            comm.all_gather(gathered, part)
+            full[bucket.flat_range()] = gathered.cpu()
+        by_param = {s.param: full[s.offset : s.offset + s.numel].view(s.param.shape).clone() for s in self.layout.slots}
+        result = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            result[key] = by_param[value] if value in by_param else value.detach().cpu().clone()
+        return result
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes per tier for weights, gradients and optimizer state, current and peak."""
+        weights = self.flat_params.numel() * self.flat_params.element_size()
+        owned_grad = sum(g.numel() * g.element_size() for g in self._grads)
+        grad_tier = "device" if self.optimizer.tier == "none" else "host"
+        staging = self.staging.numel() * self.staging.element_size()
+        report = MemoryReport()
+        report.add("weights", "device", weights, weights)
+        report.add("gradients", "device", self.reducer.device_bytes, self.reducer.peak_bucket_bytes)
+        report.add("gradients", grad_tier, owned_grad, owned_grad)
+        report.add("weights (staging copy)", grad_tier, staging, staging)
+        for tier, figures in self.optimizer.state_bytes().items():
+            name = "host (pinned pool)" if tier == "pinned" else "host" if tier == "cpu" else tier
+            report.add("optimizer state", name, figures["bytes"], figures["peak_bytes"])
+        return report
+
+    def close(self) -> None:
+        """Finish pending work, remove hooks and swap files."""
+        self.synchronize()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.reducer.remove()
+        self.optimizer.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MemoryReport(dict):
+    """{(kind, tier): {"bytes": current, "peak_bytes": peak}}; str() is a table."""
+
+    def add(self, kind: str, tier: str, current: int, peak: int) -> None:
+        entry = self.setdefault((kind, tier), {"bytes": 0, "peak_bytes": 0})
+        entry["bytes"] += current
+        entry["peak_bytes"] += peak
+
+    def total(self, tier: str) -> int:
+        return sum(v["bytes"] for (kind, t), v in self.items() if t == tier)
+
+    def __str__(self) -> str:
+        lines = [f"{'what':24}{'tier':20}{'current':>14}{'peak':>14}"]
+        for (kind, tier), v in self.items():
+            lines.append(f"{kind:24}{tier:20}{_human(v['bytes']):>14}{_human(v['peak_bytes']):>14}")
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

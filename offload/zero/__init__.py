@@ -1,0 +1,1 @@
+"""ZeRO stage managers: flat layout and ownership, gradient reduction, the shard optimizer, collectives."""

@@ -1,0 +1,40 @@
+"""The collectives the engine uses, on torch.distributed's default group.
+
+With no process group (world size 1) each is the local identity, so a single
+process needs no ``init_process_group``. gloo on CPU and NCCL on GPUs both
+implement the tensor forms used here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group, or (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor) -> None:
+    """out (numel = full.numel() / world) <- this rank's slice of the sum over ranks of full."""
+    if world()[1] == 1:
+        out.copy_(full)
+    else:
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM)
+
+
+def all_gather(full: torch.Tensor, part: torch.Tensor) -> None:
+    """full <- the concatenation over ranks of part."""
+    if world()[1] == 1:
+        full.copy_(part)
+    else:
+        dist.all_gather_into_tensor(full, part)
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    if world()[1] > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t

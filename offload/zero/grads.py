@@ -1,0 +1,82 @@
+"""Gradients: from each parameter's .grad into this rank's owned fp32 gradient.
+
+A post-accumulate-grad hook adds each parameter's gradient into its bucket
+(Note [flat layout]) and drops ``.grad``. Stage 1 keeps every bucket for the
+whole accumulation window and reduce-scatters them all at the boundary. Stage 2
+reduce-scatters a bucket as soon as all its parameters have their gradient
+for this backward pass, adds this rank's part into the owned gradient (on the
+host when the optimizer is offloaded), and frees the bucket: the full gradient
+never exists at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from offload.zero import comm
+from offload.zero.layout import Bucket, FlatLayout
+
+
+class GradientReducer:
+    def __init__(self, layout: FlatLayout, stage: int, device: torch.device, dtype: torch.dtype,
+                 owned_grads: torch.Tensor) -> None:
+        self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
+        self.owned_grads = owned_grads  # fp32, the optimizer's side
+        self._slot_of = {s.param: s for s in layout.slots}
+        self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
+        self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
+        self._arrived: Counter[int] = Counter()
+        self.bucket_bytes = 0
+        self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in layout.slots]
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        slot = self._slot_of[param]
+        bucket = self.layout.buckets[slot.bucket]
+        full = self._bucket_buffer(bucket)
+        begin = slot.offset - bucket.start
+        full[begin : begin + slot.numel].add_(param.grad.view(-1))
+        param.grad = None
+        if self.stage == 2:
+            self._arrived[bucket.index] += 1
+            if self._arrived[bucket.index] == len(bucket.slots):
+                self._reduce(bucket, self._open.pop(bucket.index))
+
+    def _bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if self._flat is not None:
+            return self._flat[bucket.flat_range()]
+        if bucket.index not in self._open:
+            self._open[bucket.index] = torch.zeros(bucket.size, dtype=self.dtype, device=self.device)
+            self.bucket_bytes += bucket.size * self._open[bucket.index].element_size()
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+        return self._open[bucket.index]
+
+    def _reduce(self, bucket: Bucket, full: torch.Tensor) -> None:
+        part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
+        comm.reduce_scatter_sum(part, full)
+        self.owned_grads[bucket.owned_range()].add_(part.to(self.owned_grads.device, torch.float32))
+        if self._flat is None:
+            self.bucket_bytes -= full.numel() * full.element_size()
+
+    def end_of_backward(self) -> None:
+        """Stage 2: reduce the buckets some of whose parameters got no gradient this pass."""
+        for index in sorted(self._open):
+            self._reduce(self.layout.buckets[index], self._open.pop(index))
+        self._arrived.clear()
+
+    def at_boundary(self) -> None:
+        """Stage 1: reduce-scatter every bucket of the accumulation window."""
+        if self._flat is not None:
+            for bucket in self.layout.buckets:
+                self._reduce(bucket, self._flat[bucket.flat_range()])
+            self._flat.zero_()
+
+    @property
+    def device_bytes(self) -> int:
+        return self._flat.numel() * self._flat.element_size() if self._flat is not None else self.bucket_bytes
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,136 @@
+"""The optimizer over this rank's owned shard: fp32 master weights and Adam moments.
+
+The shard is cut into sub-groups of ``sub_group_size`` elements. Where the
+state lives is the offload device:
+  - ``none``: on the accelerator, updated by torch's own Adam/AdamW (the
+    reference path);
+  - ``cpu``: one [3, n] tensor (master, exp_avg, exp_avg_sq) per sub-group in
+    the store's cpu tier, updated by the native CPU Adam;
+  - ``nvme``: the same tensors as swap files. While sub-group i is updated,
+    i+1 is being read and i-1 written back (``pipeline_read`` /
+    ``pipeline_write``), in at most ``buffer_count`` pool buffers.
+
+``step`` writes the updated weights, in the compute dtype, into ``out`` (the
+kernel does that in the same pass over memory for bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from offload.config import Config
+from offload.optim.adam import AdamHyper, adam_step
+from offload.store import TieredStore
+from offload.store.shard_file import HEADER_BYTES, padded
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in the last step, by kind (summed over sub-groups)."""
+
+    adam: float = 0.0
+    swap_wait: float = 0.0
+    write_back_wait: float = 0.0
+
+
+class ShardOptimizer:
+    def __init__(self, master: torch.Tensor, config: Config, device: torch.device) -> None:
+        """``master``: this rank's owned fp32 weights (host memory); copied into the state."""
+        zero = config.zero_optimization
+        offload = zero.offload_optimizer
+        p = config.optimizer.params
+        self.hyper = AdamHyper(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], eps=p.eps, weight_decay=p.weight_decay,
+                               decoupled=p.adam_w_mode)
+        self.tier = offload.device
+        self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
+        self.numel = master.numel()
+        size = zero.sub_group_size
+        self.groups = [(lo, min(self.numel, lo + size)) for lo in range(0, self.numel, size)] or [(0, 0)]
+        self.step_count = 0
+        self.times = StepTimes()
+        self.store: TieredStore | None = None
+        if self.tier == "none":
+            self._master = master.to(device, torch.float32).clone()
+            self._master.grad = torch.zeros_like(self._master)
+            cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
+            self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+            return
+        largest = max(hi - lo for lo, hi in self.groups)
+        buffers = offload.buffer_count if self.tier == "nvme" else 1
+        self.store = TieredStore(
+            offload.nvme_path if self.tier == "nvme" else None,
+            pinned_limit_bytes=buffers * (padded(3 * 4 * largest) + 3 * HEADER_BYTES) + 3 * HEADER_BYTES,
+            aio=config.aio,
+            pin_memory=None if offload.pin_memory else False,
+            pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
+        )
+        for i, (lo, hi) in enumerate(self.groups):
+            state = torch.zeros(3, hi - lo)
+            state[0].copy_(master[lo:hi])
+            self.store.put(self._key(i), state, self.tier)
+        self.store.flush()
+
+    @staticmethod
+    def _key(i: int) -> str:
+        return f"subgroup{i:05d}"
+
+    def step(self, grads: torch.Tensor, grad_scale: float, out: torch.Tensor) -> None:
+        """One Adam step of the whole shard from ``grads`` (owned, fp32) times
+        ``grad_scale``; the new weights go to ``out`` (owned, compute dtype)."""
+        self.step_count += 1
+        self.times = StepTimes()
+        if self.tier == "none":
+            start = time.perf_counter()
+            self._master.grad.copy_(grads).mul_(grad_scale)
+            self._torch_opt.step()
+            out.copy_(self._master)
+            self.times.adam = time.perf_counter() - start
+            return
+        keys = [self._key(i) for i in range(len(self.groups))]
+        low_precision = out.dtype != torch.float32
+        for i, (lo, hi) in enumerate(self.groups):
+            if self.pipeline_read and i + 1 < len(keys):
+                self.store.prefetch([keys[i + 1]])
+            start = time.perf_counter()
+            (state,) = self.store.get([keys[i]])
+            self.times.swap_wait += time.perf_counter() - start
+            start = time.perf_counter()
+            adam_step(state[0], grads[lo:hi], state[1], state[2], self.hyper, self.step_count,
+                      grad_scale=grad_scale, out=out[lo:hi] if low_precision else None)
+            if not low_precision:
+                out[lo:hi].copy_(state[0])
+            self.times.adam += time.perf_counter() - start
+            self.store.release([keys[i]], dirty=True)
+            if not self.pipeline_write:
+                start = time.perf_counter()
+                self.store.flush()
+                self.times.write_back_wait += time.perf_counter() - start
+        start = time.perf_counter()
+        self.store.flush()
+        self.times.write_back_wait += time.perf_counter() - start
+
+    def master(self) -> torch.Tensor:
+        """This rank's fp32 master weights (a copy, in host memory)."""
+        if self.tier == "none":
+            return self._master.detach().cpu().clone()
+        out = torch.empty(self.numel)
+        for i, (lo, hi) in enumerate(self.groups):
+            (state,) = self.store.get([self._key(i)])
+            out[lo:hi].copy_(state[0])
+            self.store.release([self._key(i)], dirty=False)
+        return out
+
+    def state_bytes(self) -> dict:
+        """Optimizer-state bytes per tier, current and peak."""
+        if self.tier == "none":
+            n = 3 * 4 * self.numel
+            return {"device": {"bytes": n, "peak_bytes": n}}
+        stats = self.store.stats()
+        return {"cpu": stats["cpu"], "nvme": stats["nvme"], "pinned": stats["pinned"]}
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,102 @@
+"""A small GPT-like model, its data, and plain-PyTorch reference training, for
+comparing the engine with torch.optim.AdamW on an unpartitioned copy."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import offload
+
+VOCAB, DIM, SEQ, BATCH = 61, 24, 12, 3
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output head, narrow layers (little arithmetic per
+    byte moved, so races between copies and updates would show), LayerNorm."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()) for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> scalar loss
+        x = self.embed(tokens[:, :-1])  # (B, T-1, C)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(self.norm(x))  # (B, T-1, V)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def make_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def config(stage: int, device: str, accumulation: int, nvme_path: str | None = None, **extra) -> dict:
+    offload_optimizer = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
+    offload_optimizer.update(extra.pop("offload_optimizer", {}))
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "sub_group_size": 700, "reduce_bucket_size": 1500,
+                              "offload_optimizer": offload_optimizer},
+        "aio": {"block_size": 8192, "queue_depth": 4},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def train_reference(model: nn.Module, steps: int, world: int, accumulation: int, cfg: dict) -> nn.Module:
+    ref = copy.deepcopy(model)
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                            weight_decay=p["weight_decay"], foreach=False)
+    for step in range(steps):
+        opt.zero_grad()
+        for rank in range(world):
+            for micro in range(accumulation):
+                (ref(batch(step, micro, rank)) / (world * accumulation)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+        opt.step()
+    return ref
+
+
+def train_engine(model: nn.Module, steps: int, accumulation: int, cfg: dict, rank: int = 0) -> offload.Engine:
+    engine = offload.initialize(model, cfg)
+    for step in range(steps):
+        for micro in range(accumulation):
+            engine.backward(engine(batch(step, micro, rank)))
+            engine.step()
+    return engine
+
+
+def max_difference(engine_state: dict, ref: nn.Module) -> float:
+    ref_state = ref.state_dict()
+    return max((engine_state[k].float() - ref_state[k].float()).abs().max().item() for k in ref_state)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -1,0 +1,96 @@
+"""The config: DeepSpeed files load; unknown keys name the nearest valid one;
+DeepSpeed-internal tuning keys are accepted with one warning; unimplemented
+features are refused; types and bounds are checked with the field's name."""
+
+import json
+import warnings
+
+import pytest
+
+from offload.config import Config, ConfigError, reference
+
+DEEPSPEED_FILE = {
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 2, "allgather_bucket_size": 5e8, "reduce_bucket_size": 5e8, "overlap_comm": True,
+        "contiguous_gradients": True, "round_robin_gradients": True, "sub_group_size": 1e9,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "fast_init": False},
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+            "overlap_events": True},
+}
+
+
+def test_a_deepspeed_file_loads_with_one_warning_listing_tuning_keys(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DEEPSPEED_FILE))
+    with pytest.warns(UserWarning) as caught:
+        config = Config.load(str(path))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for key in ("steps_per_print", "wall_clock_breakdown", "zero_optimization.allgather_bucket_size",
+                "zero_optimization.round_robin_gradients", "zero_optimization.offload_optimizer.fast_init"):
+        assert key in message
+    assert config.zero_optimization.offload_optimizer.device == "nvme"
+    assert config.zero_optimization.sub_group_size == 1_000_000_000  # 1e9 in JSON is a float
+    assert config.optimizer.params.betas == (0.9, 0.95)
+    assert config.aio.thread_count == 1 and config.aio.block_size == 1 << 20
+    assert config.compute_dtype_name == "bfloat16"
+
+
+def test_defaults_need_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Config.load({}).zero_optimization.stage == 2
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"gradient_clip": 1.0}, "unknown key 'gradient_clip'; did you mean 'gradient_clipping'"),
+        ({"zero_optimization": {"stag": 2}}, "unknown key 'zero_optimization.stag'; did you mean 'stage'"),
+        ({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}}, "did you mean 'device'"),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of"),
+        ({"optimizer": {"params": {"lr": "fast"}}}, "optimizer.params.lr must be a finite number"),
+        ({"optimizer": {"params": {"betas": [0.9, 1.2]}}}, "betas must be two numbers in"),
+        ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "use type Adam for L2"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage must be one of"),
+        ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage must be an integer"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
+        ({"fp16": {"enabled": "yes"}}, "fp16.enabled must be true or false"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable at most one"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is not set"),
+        ({"pipeline": {"stages": 2}}, "pipeline: pipeline parallelism is not implemented"),
+        ({"scheduler": {"type": "WarmupLR"}}, "torch.optim.lr_scheduler"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "stage 3"),
+        ({"aio": {"block_size": 1000}}, "aio.block_size must be a positive multiple of 4096"),
+        ({"aio": {"queue_dpeth": 8}}, "unknown key"),
+        ({"zero_optimization": []}, "zero_optimization must be a JSON object"),
+    ],
+)
+def test_bad_configs_name_the_field(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        Config.load(data)
+
+
+def test_unreadable_files_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        Config.load(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        Config.load(str(bad))
+
+
+def test_reference_documents_every_key():
+    keys = {key for key, _, doc in reference()}
+    assert "zero_optimization.offload_optimizer.nvme_path" in keys and "aio.queue_depth" in keys
+    assert all(doc for key, _, doc in reference() if not key.startswith("aio."))

@@ -103,3 +103,23 @@ def test_bench_swap_sweep_prints_a_config_block_and_saves_a_plot(tmp_path, capsy
 def test_bench_swap_bad_arguments_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_bench_step_reports_breakdown_and_efficiencies(tmp_path, capsys):
+    argv = ["bench", "step", "--model", "tiny", "--offload", "nvme", "--dpu", "--steps", "2",
+            "--nvme-path", str(tmp_path), "--sub-group-size", "20000", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    for mode in ("plain", "dpu"):
+        assert set(result[mode]["breakdown"]) == {"forward", "backward", "gradient_copy", "optimizer", "swap_wait", "upload"}
+        assert result[mode]["wall"] > 0 and result[mode]["overlap"] > 0
+    assert result["plain"]["bytes_read"] > 0 and result["plain"]["bytes_written"] > 0
+    assert 0 < result["pipeline_efficiency"] and 0 <= result["dpu_hidden_fraction"] <= 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_bench_step_refuses_dpu_without_offload():
+    proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--offload", "none", "--dpu"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--dpu needs --offload cpu or nvme" in proc.stderr

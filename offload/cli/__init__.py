@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import bench_adam, bench_swap
+from offload.cli import bench_adam, bench_step, bench_swap
 from offload.cli.args import UserError
 
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     bench_adam.add_parser(benchmarks)
     bench_swap.add_parser(benchmarks)
+    bench_step.add_parser(benchmarks)
     return parser
 
 

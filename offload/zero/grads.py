@@ -11,6 +11,7 @@ never exists at once.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -29,6 +30,7 @@ class GradientReducer:
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
         self._arrived: Counter[int] = Counter()
         self.bucket_bytes = 0
+        self.seconds = 0.0  # spent reducing and copying to the owned gradient, for the step breakdown
         self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in layout.slots]
 
@@ -54,9 +56,11 @@ class GradientReducer:
         return self._open[bucket.index]
 
     def _reduce(self, bucket: Bucket, full: torch.Tensor) -> None:
+        start = time.perf_counter()
         part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
         comm.reduce_scatter_sum(part, full)
         self.owned_grads[bucket.owned_range()].add_(part.to(self.owned_grads.device, torch.float32))
+        self.seconds += time.perf_counter() - start
         if self._flat is None:
             self.bucket_bytes -= full.numel() * full.element_size()
 

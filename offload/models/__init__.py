@@ -1,0 +1,1 @@
+"""Models bundled for the main job and the benchmarks."""

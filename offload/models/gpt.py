@@ -1,0 +1,91 @@
+"""A GPT-style decoder (byte-level: vocabulary 256), for ``offload train`` and ``offload bench``.
+
+Pre-norm blocks of causal self-attention and a 4x MLP, learned positions, the
+output head tied to the token embedding. Sizes by name (``SIZES``) or by a
+GPTConfig.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    vocab_size: int = 256
+
+    def params(self) -> int:
+        """Trainable parameters (the tied head counted once)."""
+        c = self.n_embd
+        per_block = 12 * c * c + 13 * c  # qkv + proj + 2 MLP matrices, their biases, two LayerNorms
+        return self.vocab_size * c + self.block_size * c + self.n_layer * per_block + 2 * c
+
+
+SIZES = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+    "small": GPTConfig(n_layer=4, n_head=4, n_embd=192, block_size=128),
+    "25M": GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=128),
+    "85M": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln1 = nn.LayerNorm(c.n_embd)
+        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.proj = nn.Linear(c.n_embd, c.n_embd)
+        self.ln2 = nn.LayerNorm(c.n_embd)
+        self.fc = nn.Linear(c.n_embd, 4 * c.n_embd)
+        self.out = nn.Linear(4 * c.n_embd, c.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab_size, c.n_embd)
+        self.pos = nn.Embedding(c.block_size, c.n_embd)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.n_embd)
+        self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("proj.weight", "out.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T+1) -> mean next-token cross-entropy over T positions."""
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        T = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(T, device=x.device))  # (B, T, C)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.ln_f(h))  # (B, T, V)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))

@@ -3,6 +3,7 @@ DeepSpeed-internal tuning keys are accepted with one warning; unimplemented
 features are refused; types and bounds are checked with the field's name."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -94,3 +95,9 @@ def test_reference_documents_every_key():
     keys = {key for key, _, doc in reference()}
     assert "zero_optimization.offload_optimizer.nvme_path" in keys and "aio.queue_depth" in keys
     assert all(doc for key, _, doc in reference() if not key.startswith("aio."))
+
+
+def test_readme_documents_every_key():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    missing = [key for key, _, _ in reference() if f"`{key}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"

@@ -107,6 +107,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps)."""
+        if (self.micro_steps + 1) % self.accumulation == 0 and self._pending is None:
+            self.optimizer.prefetch()  # the optimizer's first reads overlap this backward
         (loss * (self.scaler.scale / self.accumulation)).backward()
         self.reducer.end_of_backward()
         self.micro_steps += 1
@@ -182,8 +184,10 @@ class Engine:
         self._publish()
 
     def synchronize(self) -> None:
-        """Apply a delayed update still in flight, so the model holds the latest weights."""
+        """Apply a delayed update still in flight and wait for write-backs, so the
+        model holds the latest weights and every failure has been raised."""
         self._finish_pending()
+        self.optimizer.flush()
 
     def _publish(self) -> None:
         start = time.perf_counter()

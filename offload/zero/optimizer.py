@@ -8,7 +8,9 @@ state lives is the offload device:
     the store's cpu tier, updated by the native CPU Adam;
   - ``nvme``: the same tensors as swap files. While sub-group i is updated,
     i+1 is being read and i-1 written back (``pipeline_read`` /
-    ``pipeline_write``), in at most ``buffer_count`` pool buffers.
+    ``pipeline_write``), in at most ``buffer_count`` pool buffers: up to
+    ``buffer_count - 2`` sub-groups are read ahead, the first of them during
+    the backward pass, and the last write-backs overlap the next forward.
 
 ``step`` writes the updated weights, in the compute dtype, into ``out`` (the
 kernel does that in the same pass over memory for bf16/fp16).
@@ -60,6 +62,8 @@ class ShardOptimizer:
             return
         largest = max(hi - lo for lo, hi in self.groups)
         buffers = offload.buffer_count if self.tier == "nvme" else 1
+        # One buffer is being updated and one written back; the rest read ahead.
+        self.read_ahead = max(1, buffers - 2)
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
             pinned_limit_bytes=buffers * (padded(3 * 4 * largest) + 3 * HEADER_BYTES) + 3 * HEADER_BYTES,
@@ -92,8 +96,8 @@ class ShardOptimizer:
         keys = [self._key(i) for i in range(len(self.groups))]
         low_precision = out.dtype != torch.float32
         for i, (lo, hi) in enumerate(self.groups):
-            if self.pipeline_read and i + 1 < len(keys):
-                self.store.prefetch([keys[i + 1]])
+            if self.pipeline_read:
+                self.store.prefetch(keys[i + 1 : i + 1 + self.read_ahead])
             start = time.perf_counter()
             (state,) = self.store.get([keys[i]])
             self.times.swap_wait += time.perf_counter() - start
@@ -108,9 +112,19 @@ class ShardOptimizer:
                 start = time.perf_counter()
                 self.store.flush()
                 self.times.write_back_wait += time.perf_counter() - start
-        start = time.perf_counter()
-        self.store.flush()
-        self.times.write_back_wait += time.perf_counter() - start
+        # The last write-backs finish while the next forward runs; a read of
+        # a sub-group still being written waits for it (the store's states).
+
+    def prefetch(self) -> None:
+        """Start reading the first sub-groups of the next step (called during backward,
+        so the optimizer phase does not open with a wait on the disk)."""
+        if self.tier == "nvme" and self.pipeline_read:
+            self.store.prefetch(self._key(i) for i in range(min(len(self.groups), self.read_ahead)))
+
+    def flush(self) -> None:
+        """Wait for write-backs still in flight; raise if one failed."""
+        if self.store is not None:
+            self.store.flush()
 
     def master(self) -> torch.Tensor:
         """This rank's fp32 master weights (a copy, in host memory)."""

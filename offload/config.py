@@ -88,13 +88,34 @@ class OffloadOptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    device: str = _f("none", "stage 3: where each rank's part of the weights lives: none (accelerator), cpu, nvme",
+                     choices=("none", "cpu", "nvme"))
+    nvme_path: str | None = _f(None, "directory for weight swap files (device nvme)")
+    pin_memory: bool = _f(True, "pin host buffers when CUDA is available")
+    buffer_count: int = _f(5, "host buffers for weights read ahead or in use at once", ge=1)
+    buffer_size: int = _f(100_000_000, "elements per host weight buffer (at least the largest parameter part)", ge=1)
+    max_in_cpu: int = _f(1_000_000_000, "accepted; the pool cap (buffer_count x buffer_size) bounds host memory", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
-    stage: int = _f(2, "1: partition optimizer state; 2: also gradients", choices=(1, 2))
+    stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3))
     sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
     overlap_comm: bool = _f(False, "accepted; collectives run synchronously in this version")
     contiguous_gradients: bool = _f(True, "accepted; gradients are always copied into contiguous buckets")
     offload_optimizer: OffloadOptimizerConfig = _f(OffloadOptimizerConfig(), "optimizer state tier")
+    offload_param: OffloadParamConfig = _f(OffloadParamConfig(), "stage 3: weight partition tier")
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "stage 3: elements read ahead from the weight tier", ge=0)
+    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: bound on read-ahead plus gathered elements", ge=1)
+    stage3_param_persistence_threshold: int = _f(100_000, "stage 3: parameters this small stay gathered", ge=0)
+
+    def __post_init__(self) -> None:
+        if self.stage < 3 and self.offload_param.device != "none":
+            raise ConfigError("zero_optimization.offload_param needs stage 3 (it partitions the weights); set stage to 3")
+        if self.offload_param.device == "nvme" and not self.offload_param.nvme_path:
+            raise ConfigError("zero_optimization.offload_param.device is nvme but nvme_path is not set; set it to a directory on the NVMe disk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,8 +173,7 @@ TUNING_KEYS = {
          "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "timers", "prescale_gradients"},
     "zero_optimization": {"allgather_bucket_size", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
                           "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
-                          "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_live_parameters",
-                          "stage3_max_reuse_distance", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                          "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_reuse_distance",
                           "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
     "zero_optimization.offload_optimizer": {"fast_init"},
     "fp16": {"consecutive_hysteresis"},
@@ -168,8 +188,7 @@ REFUSED_KEYS = {
          "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",
          "gradient_predivide_factor": "gradients are averaged once, after the reduction",
          "communication_data_type": "gradients are reduced in the compute dtype"},
-    "zero_optimization": {"offload_param": "parameter offload is stage 3, which is not implemented yet",
-                          "cpu_offload": "use offload_optimizer.device = cpu"},
+    "zero_optimization": {"cpu_offload": "use offload_optimizer.device = cpu"},
     "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
     "fp16": {"auto_cast": "compute dtype follows the model's parameters; auto_cast is not implemented"},
 }

@@ -33,6 +33,8 @@ from offload.zero.grads import GradientReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.loss_scale import LossScaler
 from offload.zero.optimizer import ShardOptimizer
+from offload.zero.stage3 import PartitionedWeights
+from offload.zero.weights import ReplicatedWeights, initial_master
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,26 +70,24 @@ class Engine:
             raise ValueError("the model has no trainable parameters")
         self.device = named[0][1].device
         self.dtype = _DTYPES[config.compute_dtype_name]
-        self.layout = FlatLayout(named, self.rank, self.world, zero.reduce_bucket_size)
-
-        master_flat = torch.zeros(self.layout.total)
-        for slot in self.layout.slots:
-            master_flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-        master_owned = torch.empty(self.layout.owned)
-        self.layout.owned_from_flat(master_flat, master_owned)
+        # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
+        self.layout = FlatLayout(named, self.rank, self.world, 1 if zero.stage == 3 else zero.reduce_bucket_size)
+        master_owned = initial_master(self.layout)
         if self.dtype != torch.float32:
             model.to(self.dtype)
-        self.flat_params = master_flat.to(self.device, self.dtype)
-        for slot in self.layout.slots:
-            slot.param.data = self.flat_params[slot.offset : slot.offset + slot.numel].view(slot.param.shape)
-        del master_flat
 
         offloaded = offload.device != "none"
         host = dict(device="cpu", pin_memory=offload.pin_memory and torch.cuda.is_available())
         where = host if offloaded else dict(device=self.device)
         self._grads = [torch.zeros(self.layout.owned, **where)]
         self.staging = torch.empty(self.layout.owned, dtype=self.dtype, **where)
-        self.reducer = GradientReducer(self.layout, zero.stage, self.device, self.dtype, self._grads[0])
+        # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
+        self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self._grads[0])
+        # After the reducer: its gradient hooks must run before the weights' release hooks.
+        if zero.stage == 3:
+            self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype)
+        else:
+            self.weights = ReplicatedWeights(self.layout, self.device, self.dtype)
         self.optimizer = ShardOptimizer(master_owned, config, self.device)
         self.scaler = LossScaler(config.fp16)
         self.delayed = offload.delayed_update
@@ -103,6 +103,7 @@ class Engine:
     # -- training ------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        self.weights.begin_pass()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -111,6 +112,7 @@ class Engine:
             self.optimizer.prefetch()  # the optimizer's first reads overlap this backward
         (loss * (self.scaler.scale / self.accumulation)).backward()
         self.reducer.end_of_backward()
+        self.weights.end_backward()
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -191,11 +193,7 @@ class Engine:
 
     def _publish(self) -> None:
         start = time.perf_counter()
-        for bucket in self.layout.buckets:
-            mine = self.flat_params[bucket.part_range(self.rank)]
-            mine.copy_(self.staging[bucket.owned_range()], non_blocking=True)
-            if self.world > 1:
-                comm.all_gather(self.flat_params[bucket.flat_range()], mine.clone())
+        self.weights.publish(self.staging)
         self.times.publish = time.perf_counter() - start
 
     def _overflow(self, grads: torch.Tensor) -> bool:
@@ -227,12 +225,11 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and peak."""
-        weights = self.flat_params.numel() * self.flat_params.element_size()
         owned_grad = sum(g.numel() * g.element_size() for g in self._grads)
         grad_tier = "device" if self.optimizer.tier == "none" else "host"
         staging = self.staging.numel() * self.staging.element_size()
         report = MemoryReport()
-        report.add("weights", "device", weights, weights)
+        self.weights.memory(report)
         report.add("gradients", "device", self.reducer.device_bytes, self.reducer.peak_bucket_bytes)
         report.add("gradients", grad_tier, owned_grad, owned_grad)
         report.add("weights (staging copy)", grad_tier, staging, staging)
@@ -247,6 +244,7 @@ class Engine:
         if self._worker is not None:
             self._worker.shutdown()
         self.reducer.remove()
+        self.weights.close()
         self.optimizer.close()
 
     def __enter__(self) -> Engine:

@@ -63,7 +63,7 @@ def test_defaults_need_no_warning():
         ({"optimizer": {"params": {"lr": "fast"}}}, "optimizer.params.lr must be a finite number"),
         ({"optimizer": {"params": {"betas": [0.9, 1.2]}}}, "betas must be two numbers in"),
         ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, "use type Adam for L2"),
-        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage must be one of"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be one of"),
         ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage must be an integer"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
         ({"fp16": {"enabled": "yes"}}, "fp16.enabled must be true or false"),

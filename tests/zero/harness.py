@@ -10,6 +10,7 @@ import socket
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import offload
 
@@ -18,27 +19,37 @@ VOCAB, DIM, SEQ, BATCH = 61, 24, 12, 3
 
 class TinyLM(nn.Module):
     """Embedding tied to the output head, narrow layers (little arithmetic per
-    byte moved, so races between copies and updates would show), LayerNorm."""
+    byte moved, so races between copies and updates would show), LayerNorm, a
+    parameter registered on the root module, the first block called twice, and
+    optionally activation checkpointing (non-reentrant) around every block."""
 
-    def __init__(self, layers: int = 3) -> None:
+    def __init__(self, layers: int = 3, checkpoint: bool = False) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()) for _ in range(layers))
+        self.gain = nn.Parameter(torch.ones(DIM))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
+    def _block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x + block(x)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> scalar loss
         x = self.embed(tokens[:, :-1])  # (B, T-1, C)
+        x = self._block(self.blocks[0], x)
         for block in self.blocks:
-            x = x + block(x)
-        logits = self.head(self.norm(x))  # (B, T-1, V)
+            x = self._block(block, x)
+        logits = self.head(self.norm(x * self.gain))  # (B, T-1, V)
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def make_model(seed: int = 0) -> TinyLM:
+def make_model(seed: int = 0, checkpoint: bool = False) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(checkpoint=checkpoint)
 
 
 def batch(step: int, micro: int, rank: int) -> torch.Tensor:
@@ -46,7 +57,8 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def config(stage: int, device: str, accumulation: int, nvme_path: str | None = None, **extra) -> dict:
+def config(stage: int, device: str, accumulation: int, nvme_path: str | None = None, param_device: str | None = None,
+           **extra) -> dict:
     offload_optimizer = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
     offload_optimizer.update(extra.pop("offload_optimizer", {}))
     cfg = {
@@ -58,6 +70,9 @@ def config(stage: int, device: str, accumulation: int, nvme_path: str | None = N
                               "offload_optimizer": offload_optimizer},
         "aio": {"block_size": 8192, "queue_depth": 4},
     }
+    if param_device is not None:
+        cfg["zero_optimization"]["offload_param"] = {"device": param_device, **({"nvme_path": nvme_path} if param_device == "nvme" else {})}
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 30  # LayerNorm and biases stay gathered
     cfg.update(extra)
     return cfg
 

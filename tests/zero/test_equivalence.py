@@ -84,7 +84,7 @@ def test_bf16_within_bf16_tolerance():
     ref = train_reference(make_model(), STEPS, 1, 2, config(2, "cpu", 2))
     with train_engine(make_model(), STEPS, 2, cfg) as engine:
         state = engine.state_dict()
-        assert engine.flat_params.dtype == torch.bfloat16
+        assert engine.weights.flat.dtype == torch.bfloat16
         # The master weights stay fp32; only the forward and backward ran in bf16.
         assert all(v.dtype == torch.float32 for k, v in state.items() if "weight" in k)
         assert max_difference(state, ref) < 1.5e-2  # measured 7e-3; the weights moved up to 6e-2

@@ -1,0 +1,345 @@
+"""Stage 3: each parameter partitioned across ranks, its local part in a tier,
+gathered just before the module that uses it runs and released right after.
+
+Every trainable parameter is its own bucket of the flat layout (Note [flat
+layout]): rank r keeps part r, in the compute dtype, on the accelerator
+(``offload_param.device = none``), in host memory (``cpu``) or in a swap file
+(``nvme``). The ``nn.Parameter`` keeps its shape, but its storage is resized
+to zero while partitioned. Autograd's saved references see the same storage,
+so they are valid again once the parameter is gathered for backward.
+
+Note [gather references]
+A parameter is gathered while anyone holds a reference:
+  - forward: a module's pre-hook takes one for each parameter registered
+    directly on it, and the post-hook drops it. So a parent's own parameters
+    stay gathered for the whole parent forward, a tied parameter for as long
+    as any of its modules runs, and a module called twice gathers twice.
+  - backward: an identity autograd function on the module's outputs takes a
+    reference when their gradient arrives, before the module's own backward
+    (and before any activation-checkpoint recomputation inside it); another on
+    its inputs drops it once the gradient has flowed through the module (the
+    autograd engine runs a module's nodes before that earlier-created one). So
+    a tied weight is released between its uses. The parameter's
+    post-accumulate-grad hook drops any backward reference left.
+  - leftovers (parameters that got no gradient) are dropped at the end of
+    backward.
+Parameters of at most ``stage3_param_persistence_threshold`` elements stay
+gathered throughout.
+
+Prefetch: the first pass records the order in which parameters are gathered.
+Later passes read ahead, from the tier into host buffers, the parameters due
+next, up to ``stage3_prefetch_bucket_size`` elements. If a pass departs from
+the record (data-dependent control flow), read-ahead stops for that pass, a
+warning says so once, and that pass's order becomes the new record. Results
+never depend on prefetching.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from offload.config import Config
+from offload.store import TieredStore
+from offload.store.shard_file import HEADER_BYTES, padded
+from offload.zero import comm
+from offload.zero.layout import Bucket, FlatLayout, Slot
+
+
+class ParamState(enum.Enum):
+    PARTITIONED = "partitioned"
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False)
+class _Managed:
+    slot: Slot
+    bucket: Bucket
+    key: str
+    persistent: bool
+    state: ParamState = ParamState.PARTITIONED
+    forward_refs: int = 0
+    backward_refs: int = 0
+
+    @property
+    def refs(self) -> int:
+        return self.forward_refs + self.backward_refs
+
+
+class _GatherForBackward(torch.autograd.Function):
+    """Identity on a module's outputs; in backward, gathers the module's parameters."""
+
+    @staticmethod
+    def forward(ctx, weights, module, *outputs):
+        ctx.weights, ctx.module = weights, module
+        views = tuple(o.view_as(o) for o in outputs)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.weights.gather_for_backward(ctx.module)
+        return (None, None, *grads)
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; in backward (which reaches the inputs
+    after the module's own backward), drops one backward reference of the
+    module's parameters."""
+
+    @staticmethod
+    def forward(ctx, weights, module, *inputs):
+        ctx.weights, ctx.module = weights, module
+        views = tuple(i.view_as(i) for i in inputs)
+        return views if len(views) > 1 else views[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.weights.release_after_backward(ctx.module)
+        return (None, None, *grads)
+
+
+def _wrap(function, weights, module, value):
+    """Apply ``function`` to the tensors in ``value`` that require grad; the rest pass through."""
+    leaves, spec = pytree.tree_flatten(value)
+    chosen = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not chosen:
+        return value
+    wrapped = function.apply(weights, module, *(leaves[i] for i in chosen))
+    for i, t in zip(chosen, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class PartitionedWeights:
+    def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        zero = config.zero_optimization
+        param_cfg = zero.offload_param
+        self.layout, self.device, self.dtype = layout, device, dtype
+        self.tier = param_cfg.device
+        self.prefetch_elements = min(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters)
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.store: TieredStore | None = None
+        self._shards: dict[str, torch.Tensor] = {}  # tier none
+        if self.tier != "none":
+            largest = max(b.part for b in layout.buckets) * torch.empty((), dtype=dtype).element_size()
+            buffer_bytes = max(padded(largest), padded(param_cfg.buffer_size * torch.empty((), dtype=dtype).element_size()))
+            self.store = TieredStore(
+                param_cfg.nvme_path if self.tier == "nvme" else None,
+                pinned_limit_bytes=param_cfg.buffer_count * (buffer_bytes + 2 * HEADER_BYTES),
+                aio=config.aio,
+                pin_memory=None if param_cfg.pin_memory else False,
+                pool_setting_name="zero_optimization.offload_param.buffer_count (or buffer_size)",
+            )
+        self._trace: dict[bool, list[_Managed]] = {}
+        self._record: list[_Managed] = []
+        self._cursor = 0
+        self._on_trace = True
+        self._training = True
+        self._read_ahead: set[str] = set()
+        self._warned_order = False
+        self._managed: dict[torch.nn.Parameter, _Managed] = {}
+        for bucket in layout.buckets:
+            (slot,) = bucket.slots
+            m = _Managed(slot, bucket, f"param{bucket.index:06d}", slot.numel <= zero.stage3_param_persistence_threshold)
+            self._managed[slot.param] = m
+            self._write_shard(m, self._own_part(slot, bucket))
+            self._free(m)
+        for m in self._managed.values():
+            if m.persistent:
+                self._gather(m, record=False)
+        self._hooks = []
+        for module in model.modules():
+            if any(p in self._managed for p in module.parameters(recurse=False)):
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(module.register_forward_hook(self._post_forward))
+        for m in self._managed.values():
+            self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
+
+    # -- tiers -----------------------------------------------------------------------
+
+    def _own_part(self, slot: Slot, bucket: Bucket) -> torch.Tensor:
+        part = torch.zeros(bucket.part, dtype=self.dtype)
+        begin = self.layout.rank * bucket.part
+        values = slot.param.detach().reshape(-1)[begin : begin + bucket.part]
+        part[: values.numel()].copy_(values)
+        return part
+
+    def _write_shard(self, m: _Managed, part: torch.Tensor) -> None:
+        if self.tier == "none":
+            if m.key in self._shards:
+                self._shards[m.key].copy_(part)
+            else:
+                self._shards[m.key] = part.to(self.device).clone()
+        elif m.key not in self.store.keys():
+            self.store.put(m.key, part, self.tier)
+        else:
+            (shard,) = self.store.get([m.key])
+            shard.copy_(part)
+            self.store.release([m.key], dirty=True)
+
+    def _read_shard(self, m: _Managed) -> torch.Tensor:
+        if self.tier == "none":
+            return self._shards[m.key]
+        self._read_ahead.discard(m.key)
+        (shard,) = self.store.get([m.key])
+        return shard
+
+    def _done_with_shard(self, m: _Managed) -> None:
+        if self.store is not None:
+            self.store.release([m.key], dirty=False)
+
+    # -- gather and release ------------------------------------------------------------
+
+    def _gather(self, m: _Managed, record: bool = True) -> None:
+        if m.state is ParamState.GATHERED:
+            return
+        p, numel = m.slot.param, m.slot.numel
+        p.data.untyped_storage().resize_(numel * p.element_size())
+        shard = self._read_shard(m).to(self.device, non_blocking=True)
+        if self.layout.world > 1:
+            full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
+            comm.all_gather(full, shard)
+            p.data.view(-1).copy_(full[:numel])
+        else:
+            p.data.view(-1).copy_(shard[:numel])
+        self._done_with_shard(m)
+        m.state = ParamState.GATHERED
+        self.live_bytes += numel * p.element_size()
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        if record:
+            self._note_order(m)
+
+    def _free(self, m: _Managed) -> None:
+        p = m.slot.param
+        if m.state is ParamState.GATHERED:
+            self.live_bytes -= m.slot.numel * p.element_size()
+        else:
+            p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+        p.data.untyped_storage().resize_(0)
+        m.state = ParamState.PARTITIONED
+
+    def _release(self, m: _Managed) -> None:
+        if m.refs == 0 and not m.persistent and m.state is ParamState.GATHERED:
+            self._free(m)
+
+    def _direct(self, module: torch.nn.Module) -> list[_Managed]:
+        return [self._managed[p] for p in module.parameters(recurse=False) if p in self._managed]
+
+    def _pre_forward(self, module, args):
+        for m in self._direct(module):
+            m.forward_refs += 1
+            self._gather(m)
+        return _wrap(_ReleaseAfterBackward, self, module, args) if torch.is_grad_enabled() else args
+
+    def _post_forward(self, module, args, output):
+        if torch.is_grad_enabled():
+            output = _wrap(_GatherForBackward, self, module, output)
+        for m in self._direct(module):
+            m.forward_refs -= 1
+            self._release(m)
+        return output
+
+    def gather_for_backward(self, module: torch.nn.Module) -> None:
+        for m in self._direct(module):
+            m.backward_refs += 1
+            self._gather(m)
+
+    def release_after_backward(self, module: torch.nn.Module) -> None:
+        for m in self._direct(module):
+            m.backward_refs = max(0, m.backward_refs - 1)
+            self._release(m)
+
+    def _after_grad(self, param: torch.nn.Parameter) -> None:
+        m = self._managed[param]
+        m.backward_refs = 0
+        self._release(m)
+
+    def end_backward(self) -> None:
+        """Drop the backward references of parameters that got no gradient."""
+        for m in self._managed.values():
+            if m.backward_refs:
+                m.backward_refs = 0
+                self._release(m)
+
+    # -- prefetch ------------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """A forward (and its backward) starts: compare it with the recorded order."""
+        if self._record and (not self._on_trace or self._training not in self._trace):
+            self._trace[self._training] = self._record
+        self._training = torch.is_grad_enabled()
+        self._record, self._cursor, self._on_trace = [], 0, True
+        self._prefetch()
+
+    def _note_order(self, m: _Managed) -> None:
+        self._record.append(m)
+        trace = self._trace.get(self._training)
+        if trace is None or not self._on_trace:
+            return
+        if self._cursor < len(trace) and trace[self._cursor] is m:
+            self._cursor += 1
+            self._prefetch()
+            return
+        self._on_trace = False
+        if not self._warned_order:
+            self._warned_order = True
+            warnings.warn("offload stage 3: the order in which modules use their parameters changed "
+                          "(data-dependent control flow?); read-ahead pauses and the order is recorded again. "
+                          "Results are unaffected.", RuntimeWarning, stacklevel=2)
+
+    def _prefetch(self) -> None:
+        trace = self._trace.get(self._training)
+        if self.tier != "nvme" or not trace or not self._on_trace:
+            return
+        budget, keys = self.prefetch_elements, []
+        for m in trace[self._cursor :]:
+            if budget < m.slot.numel:
+                break
+            budget -= m.slot.numel
+            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead:
+                keys.append(m.key)
+        self._read_ahead.update(keys)
+        self.store.prefetch(keys)
+
+    # -- after the optimizer -----------------------------------------------------------
+
+    def publish(self, staging: torch.Tensor) -> None:
+        """Write this rank's new parts into the tier; re-gather persistent parameters."""
+        for m in self._managed.values():
+            self._write_shard(m, staging[m.bucket.owned_range()])
+            if m.persistent:
+                m.state = ParamState.PARTITIONED
+                self.live_bytes -= m.slot.numel * m.slot.param.element_size()
+                self._gather(m, record=False)
+        self._read_ahead.clear()
+
+    def states(self) -> dict[str, ParamState]:
+        return {m.slot.name: m.state for m in self._managed.values()}
+
+    def memory(self, report) -> None:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        shard_bytes = sum(b.part for b in self.layout.buckets) * element
+        report.add("weights (gathered, live)", "device", self.live_bytes, self.peak_live_bytes)
+        if self.tier == "none":
+            report.add("weights (partition)", "device", shard_bytes, shard_bytes)
+        else:
+            stats = self.store.stats()
+            tier = "host" if self.tier == "cpu" else "nvme"
+            report.add("weights (partition)", tier, stats[self.tier]["bytes"], stats[self.tier]["peak_bytes"])
+            report.add("weights (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+
+    def close(self) -> None:
+        """Gather every parameter back into the module (so it can be used, or
+        printed, after the engine), then drop hooks and the tier."""
+        for m in self._managed.values():
+            self._gather(m, record=False)
+        for h in self._hooks:
+            h.remove()
+        if self.store is not None:
+            self.store.close()

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from offload.config import Config
+from offload.safetensors_file import write_safetensors
 from offload.zero import comm
 from offload.zero.grads import GradientReducer
 from offload.zero.layout import FlatLayout
@@ -206,22 +208,55 @@ class Engine:
 
     # -- state and reporting -------------------------------------------------------
 
+    def full_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor) for every entry of the model's state dict, in bucket
+        order, trainable parameters from the fp32 master weights gathered from all
+        ranks, one bucket in memory at a time (a collective: iterate on every rank)."""
+        self.synchronize()
+        keys_of: dict[torch.nn.Parameter, list[str]] = {}
+        others = []
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.nn.Parameter) and value in self.reducer.slot_of:
+                keys_of.setdefault(value, []).append(key)
+            else:
+                others.append((key, value))
+        for bucket in self.layout.buckets:
+            part = self.optimizer.read_master(bucket.owned_offset, bucket.owned_offset + bucket.part)
+            full = torch.empty(bucket.size, device=self._comm_device)
+            comm.all_gather(full, part.to(self._comm_device))
+            full = full.cpu()
+            for slot in bucket.slots:
+                begin = slot.offset - bucket.start
+                tensor = full[begin : begin + slot.numel].view(slot.param.shape).to(dtype)
+                for key in keys_of[slot.param]:
+                    yield key, tensor
+        for key, value in others:
+            yield key, value.detach().cpu()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with fp32 master weights for every trainable
-        parameter, gathered from all ranks (a collective: call it on every rank)."""
-        self.synchronize()
-        owned = self.optimizer.master()
-        full = torch.zeros(self.layout.total)
-        for bucket in self.layout.buckets:
-            part = owned[bucket.owned_range()].to(self._comm_device)
-            gathered = torch.empty(bucket.size, device=self._comm_device)
-            comm.all_gather(gathered, part)
-            full[bucket.flat_range()] = gathered.cpu()
-        by_param = {s.param: full[s.offset : s.offset + s.numel].view(s.param.shape).clone() for s in self.layout.slots}
-        result = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            result[key] = by_param[value] if value in by_param else value.detach().cpu().clone()
-        return result
+        parameter, in the model's key order (a collective: call it on every rank)."""
+        entries = dict((k, v.clone()) for k, v in self.full_weights())
+        return {k: entries[k] for k in self.module.state_dict(keep_vars=True)}
+
+    def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
+        """Write the consolidated weights (``dtype``: float32 or bfloat16) to a
+        safetensors file, one tensor at a time: the whole model is never in
+        host memory at once. Every rank must call it; rank 0 writes."""
+        write_safetensors(path, self._export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
+
+    def _export_plan(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(key, dtype, shape) in the order full_weights yields them."""
+        state = self.module.state_dict(keep_vars=True)
+        by_param: dict[torch.nn.Parameter, list[str]] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Parameter) and value in self.reducer.slot_of:
+                by_param.setdefault(value, []).append(key)
+        plan = [(key, dtype, tuple(slot.param.shape)) for bucket in self.layout.buckets
+                for slot in bucket.slots for key in by_param[slot.param]]
+        trainable = {key for keys in by_param.values() for key in keys}
+        plan += [(key, value.dtype, tuple(value.shape)) for key, value in state.items() if key not in trainable]
+        return plan
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and peak."""

@@ -25,7 +25,7 @@ class GradientReducer:
                  owned_grads: torch.Tensor) -> None:
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
         self.owned_grads = owned_grads  # fp32, the optimizer's side
-        self._slot_of = {s.param: s for s in layout.slots}
+        self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
         self._arrived: Counter[int] = Counter()
@@ -35,7 +35,7 @@ class GradientReducer:
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in layout.slots]
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        slot = self._slot_of[param]
+        slot = self.slot_of[param]
         bucket = self.layout.buckets[slot.bucket]
         full = self._bucket_buffer(bucket)
         begin = slot.offset - bucket.start

@@ -126,14 +126,18 @@ class ShardOptimizer:
         if self.store is not None:
             self.store.flush()
 
-    def master(self) -> torch.Tensor:
-        """This rank's fp32 master weights (a copy, in host memory)."""
+    def read_master(self, lo: int, hi: int) -> torch.Tensor:
+        """Master weights [lo, hi) of the owned shard, fp32, host memory (a copy);
+        reads only the sub-groups that overlap the range."""
         if self.tier == "none":
-            return self._master.detach().cpu().clone()
-        out = torch.empty(self.numel)
-        for i, (lo, hi) in enumerate(self.groups):
+            return self._master[lo:hi].detach().cpu().clone()
+        out = torch.empty(hi - lo)
+        for i, (g_lo, g_hi) in enumerate(self.groups):
+            a, b = max(lo, g_lo), min(hi, g_hi)
+            if a >= b:
+                continue
             (state,) = self.store.get([self._key(i)])
-            out[lo:hi].copy_(state[0])
+            out[a - lo : b - lo].copy_(state[0, a - g_lo : b - g_lo])
             self.store.release([self._key(i)], dirty=False)
         return out
 

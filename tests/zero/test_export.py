@@ -1,0 +1,73 @@
+"""Export: the consolidated fp32 or bf16 weights, streamed tensor by tensor to a
+safetensors file that appears complete or not at all, equal to state_dict()."""
+
+import os
+
+import psutil
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.safetensors_file import read_safetensors
+
+from .harness import config, make_model, train_engine
+from .test_engine import Wide
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "nvme")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_export_equals_state_dict(tmp_path, stage, param_device, dtype):
+    cfg = config(stage, "nvme", 1, str(tmp_path), param_device=param_device)
+    with train_engine(make_model(), 3, 1, cfg) as engine:
+        expected = engine.state_dict()
+        path = str(tmp_path / "model.safetensors")
+        engine.export(path, dtype=dtype)
+    exported = read_safetensors(path)
+    assert list(exported) == [k for k in exported]  # order as written
+    assert set(exported) == set(expected)  # tied weights under both keys
+    for key, value in expected.items():
+        want = value.to(dtype) if value.is_floating_point() else value
+        assert exported[key].dtype == want.dtype and torch.equal(exported[key], want), key
+    assert not os.path.exists(path + ".partial")
+
+
+def test_a_failed_export_leaves_no_file(tmp_path, monkeypatch):
+    cfg = config(2, "cpu", 1)
+    with train_engine(make_model(), 1, 1, cfg) as engine:
+        first = next(iter(engine.full_weights()))
+
+        def broken(dtype=torch.float32):
+            yield first
+            raise OSError("disk gone")
+        monkeypatch.setattr(engine, "full_weights", broken)
+        with pytest.raises(OSError, match="disk gone"):
+            engine.export(str(tmp_path / "m.safetensors"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_export_streams_one_parameter_at_a_time(tmp_path):
+    torch.manual_seed(0)
+    model = Wide()
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())  # 34 MB
+    cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 1_000_000,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 1_100_000},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+           "aio": {"block_size": 1 << 20}}
+    engine = offload.initialize(model, cfg)
+    rss_before = psutil.Process().memory_info().rss
+    peak = rss_before
+    original = engine.full_weights
+
+    def sampled(dtype=torch.float32):
+        nonlocal peak
+        for item in original(dtype):
+            peak = max(peak, psutil.Process().memory_info().rss)
+            yield item
+
+    engine.full_weights = sampled
+    engine.export(str(tmp_path / "wide.safetensors"))
+    engine.close()
+    assert peak - rss_before < model_bytes / 2, (peak - rss_before, model_bytes)

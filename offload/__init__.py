@@ -11,18 +11,41 @@ moves just before it is needed. The public API is what this module exports:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 __version__ = "0.1.0"
 
 
-def initialize(model, config: str | os.PathLike | dict | Config) -> Engine:
-    """Wrap ``model`` (its parameters already on the accelerator, or on the CPU)
-    in an Engine configured by a DeepSpeed-style JSON file, dict or Config."""
-    return Engine(model, Config.load(config))
+def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None) -> Engine:
+    """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
+    meta device when built under ``offload.init``) in an Engine configured by a
+    DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
+    a meta-built module's own parameters (default: its ``reset_parameters``)."""
+    return Engine(model, Config.load(config), init_fn)
+
+
+@contextlib.contextmanager
+def init(config: str | os.PathLike | dict | Config | None = None):
+    """Build a model too big to materialise::
+
+        with offload.init(config):
+            model = MyModel()
+        engine = offload.initialize(model, config, init_fn=...)
+
+    Inside, modules are created on the meta device (no memory). With stage 3,
+    ``initialize`` then materialises one module at a time and turns each
+    parameter into its partition in its tier as soon as it is initialised;
+    with stages 1 and 2 it materialises the whole model first.
+    """
+    if config is not None:
+        Config.load(config)  # fail here, before building anything
+    with meta_device():
+        yield
 
 
 from offload.config import Config, ConfigError  # noqa: E402  (after __version__, for the CLI's cheap import)
 from offload.engine import Engine  # noqa: E402
+from offload.zero.materialize import meta_device  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "Engine", "initialize"]
+__all__ = ["Config", "ConfigError", "Engine", "init", "initialize"]

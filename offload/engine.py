@@ -36,7 +36,8 @@ from offload.zero.layout import FlatLayout
 from offload.zero.loss_scale import LossScaler
 from offload.zero.optimizer import ShardOptimizer
 from offload.zero.stage3 import PartitionedWeights
-from offload.zero.weights import ReplicatedWeights, initial_master
+from offload.zero.materialize import is_meta, materialize
+from offload.zero.weights import ReplicatedWeights, owned_part
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,7 +54,9 @@ class PhaseTimes:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: Config) -> None:
+    def __init__(self, model: torch.nn.Module, config: Config, init_fn=None) -> None:
+        """``init_fn(module)`` initialises a module's own parameters when the model
+        was built under ``offload.init`` (default: the module's reset_parameters)."""
         self.module = model
         self.config = config
         self.rank, self.world = comm.world()
@@ -70,27 +73,31 @@ class Engine:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        self.device = named[0][1].device
+        self.device = torch.device("cpu") if named[0][1].is_meta else named[0][1].device
         self.dtype = _DTYPES[config.compute_dtype_name]
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout(named, self.rank, self.world, 1 if zero.stage == 3 else zero.reduce_bucket_size)
-        master_owned = initial_master(self.layout)
-        if self.dtype != torch.float32:
-            model.to(self.dtype)
-
         offloaded = offload.device != "none"
         host = dict(device="cpu", pin_memory=offload.pin_memory and torch.cuda.is_available())
         where = host if offloaded else dict(device=self.device)
-        self._grads = [torch.zeros(self.layout.owned, **where)]
         self.staging = torch.empty(self.layout.owned, dtype=self.dtype, **where)
         # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
-        self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self._grads[0])
-        # After the reducer: its gradient hooks must run before the weights' release hooks.
+        self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, where)
+        self._spare_grads: torch.Tensor | None = None  # the delayed update's second gradient buffer
+        self.optimizer = ShardOptimizer(self.layout.owned, config, self.device)
         if zero.stage == 3:
+            # After the reducer: its gradient hooks must run before the weights' release hooks.
             self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype)
+            self._partition_stage3(model, init_fn)
         else:
+            if is_meta(model):
+                materialize(model, init_fn)
+            for bucket in self.layout.buckets:
+                self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
+                                            owned_part(self.layout, bucket))
+            self.optimizer.finish_master()
+            model.to(self.dtype)
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype)
-        self.optimizer = ShardOptimizer(master_owned, config, self.device)
         self.scaler = LossScaler(config.fp16)
         self.delayed = offload.delayed_update
         self.delay_warmup = offload.delayed_update_warmup
@@ -101,6 +108,37 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
+
+    def _partition_stage3(self, model: torch.nn.Module, init_fn) -> None:
+        """Each parameter, once it holds its initial values, gives its part of the
+        master weights to the optimizer and its compute-dtype part to its tier, and
+        is freed. A model built under ``offload.init`` is materialised module by
+        module, so the whole model never exists at once."""
+
+        def ready(param: torch.nn.Parameter) -> None:
+            slot = self.reducer.slot_of.get(param)
+            if slot is None:  # frozen: stays whole, like buffers
+                return
+            bucket = self.layout.buckets[slot.bucket]
+            self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
+                                        owned_part(self.layout, bucket))
+            self.weights.add(param)
+
+        if is_meta(model):
+            materialize(model, init_fn, ready)
+        else:
+            for slot in self.layout.slots:
+                ready(slot.param)
+        self.optimizer.finish_master()
+        managed = set(self.reducer.slot_of)
+        for module in model.modules():  # what is not partitioned runs in the compute dtype too
+            for name, p in module._parameters.items():
+                if p is not None and p not in managed and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point():
+                    module._buffers[name] = b.to(self.dtype)
+        self.weights.finish()
 
     # -- training ------------------------------------------------------------------
 
@@ -164,10 +202,9 @@ class Engine:
     def _delayed_step(self, grads: torch.Tensor, multiplier: float) -> None:
         """Note [delayed parameter update]: publish step t-1, start step t in the background."""
         self._finish_pending()
-        if len(self._grads) == 1:
-            self._grads.append(torch.zeros_like(grads))
-        spare = next(g for g in self._grads if g is not grads)
+        spare = self._spare_grads if self._spare_grads is not None else torch.zeros_like(grads)
         spare.zero_()
+        self._spare_grads = grads
         self.reducer.owned_grads = spare  # the next accumulation window fills the other buffer
 
         def update():
@@ -260,7 +297,8 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and peak."""
-        owned_grad = sum(g.numel() * g.element_size() for g in self._grads)
+        spare = self._spare_grads
+        owned_grad = self.reducer.owned_bytes + (0 if spare is None else spare.numel() * spare.element_size())
         grad_tier = "device" if self.optimizer.tier == "none" else "host"
         staging = self.staging.numel() * self.staging.element_size()
         report = MemoryReport()

@@ -2,7 +2,8 @@
 
 Pre-norm blocks of causal self-attention and a 4x MLP, learned positions, the
 output head tied to the token embedding. Sizes by name (``SIZES``) or by a
-GPTConfig.
+GPTConfig. Under ``offload.init`` it is built on the meta device; pass
+``init_fn=model.init_module`` to ``offload.initialize``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from offload.zero.materialize import building_on_meta, materialize, meta_device
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(c.n_embd)
         self.fc = nn.Linear(c.n_embd, 4 * c.n_embd)
         self.out = nn.Linear(4 * c.n_embd, c.n_embd)
+        self.proj.residual_projection = self.out.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
         B, T, C = x.shape
@@ -59,25 +63,33 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """Built on the meta device and materialised module by module with
+    ``init_module`` (``offload.zero.materialize``): the same seed gives the same
+    weights whether built eagerly or under ``offload.init``, on any number of ranks."""
+
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.config = c
-        self.tok = nn.Embedding(c.vocab_size, c.n_embd)
-        self.pos = nn.Embedding(c.block_size, c.n_embd)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
-        self.ln_f = nn.LayerNorm(c.n_embd)
-        self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        eager = not building_on_meta()
+        with meta_device():
+            self.tok = nn.Embedding(c.vocab_size, c.n_embd)
+            self.pos = nn.Embedding(c.block_size, c.n_embd)
+            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+            self.ln_f = nn.LayerNorm(c.n_embd)
+            self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.head.weight = self.tok.weight
-        self.apply(self._init)
-        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith(("proj.weight", "out.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.n_layer))
+        if eager:
+            materialize(self, self.init_module)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
+    def init_module(self, m: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own parameters."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+            residual = getattr(m, "residual_projection", False)  # GPT-2 scales these by depth
+            nn.init.normal_(m.weight, std=0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,10 @@ from offload.zero.layout import Bucket, FlatLayout
 
 class GradientReducer:
     def __init__(self, layout: FlatLayout, stage: int, device: torch.device, dtype: torch.dtype,
-                 owned_grads: torch.Tensor) -> None:
+                 owned_grads_on: dict) -> None:
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
-        self.owned_grads = owned_grads  # fp32, the optimizer's side
+        self._owned_on = owned_grads_on  # where the fp32 owned gradient lives (device, pin_memory)
+        self._owned: torch.Tensor | None = None
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -33,6 +34,22 @@ class GradientReducer:
         self.seconds = 0.0  # spent reducing and copying to the owned gradient, for the step breakdown
         self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in layout.slots]
+
+    @property
+    def owned_grads(self) -> torch.Tensor:
+        """The fp32 owned gradient, allocated at first use (not at construction:
+        building a large model should not cost its gradient's memory)."""
+        if self._owned is None:
+            self._owned = torch.zeros(self.layout.owned, **self._owned_on)
+        return self._owned
+
+    @property
+    def owned_bytes(self) -> int:
+        return 0 if self._owned is None else self._owned.numel() * self._owned.element_size()
+
+    @owned_grads.setter
+    def owned_grads(self, tensor: torch.Tensor) -> None:
+        self._owned = tensor
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]

@@ -39,8 +39,9 @@ class StepTimes:
 
 
 class ShardOptimizer:
-    def __init__(self, master: torch.Tensor, config: Config, device: torch.device) -> None:
-        """``master``: this rank's owned fp32 weights (host memory); copied into the state."""
+    def __init__(self, numel: int, config: Config, device: torch.device) -> None:
+        """State for ``numel`` owned elements, zero until ``write_master`` fills the
+        master weights (part by part, so the owned shard is never all in host memory)."""
         zero = config.zero_optimization
         offload = zero.offload_optimizer
         p = config.optimizer.params
@@ -48,14 +49,15 @@ class ShardOptimizer:
                                decoupled=p.adam_w_mode)
         self.tier = offload.device
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
-        self.numel = master.numel()
+        self.numel = numel
         size = zero.sub_group_size
         self.groups = [(lo, min(self.numel, lo + size)) for lo in range(0, self.numel, size)] or [(0, 0)]
         self.step_count = 0
         self.times = StepTimes()
         self.store: TieredStore | None = None
+        self._open_group: int | None = None  # the sub-group write_master holds resident
         if self.tier == "none":
-            self._master = master.to(device, torch.float32).clone()
+            self._master = torch.zeros(numel, device=device)
             self._master.grad = torch.zeros_like(self._master)
             cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
             self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
@@ -71,11 +73,29 @@ class ShardOptimizer:
             pin_memory=None if offload.pin_memory else False,
             pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
         )
+        zeros = torch.zeros(3, largest)
         for i, (lo, hi) in enumerate(self.groups):
-            state = torch.zeros(3, hi - lo)
-            state[0].copy_(master[lo:hi])
-            self.store.put(self._key(i), state, self.tier)
-        self.store.flush()
+            self.store.put(self._key(i), zeros[:, : hi - lo], self.tier)
+
+    def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Set master weights [lo, hi). Call in increasing order of ``lo``; then ``finish_master``."""
+        if self.tier == "none":
+            self._master[lo:hi].copy_(values)
+            return
+        for i, (g_lo, g_hi) in enumerate(self.groups):
+            a, b = max(lo, g_lo), min(hi, g_hi)
+            if a >= b:
+                continue
+            if self._open_group != i:
+                self.finish_master()
+                self._open_group = i
+            (state,) = self.store.get([self._key(i)])
+            state[0, a - g_lo : b - g_lo].copy_(values[a - lo : b - lo])
+
+    def finish_master(self) -> None:
+        if self._open_group is not None:
+            self.store.release([self._key(self._open_group)], dirty=True)
+            self._open_group = None
 
     @staticmethod
     def _key(i: int) -> str:

@@ -127,11 +127,15 @@ class PartitionedWeights:
         self.store: TieredStore | None = None
         self._shards: dict[str, torch.Tensor] = {}  # tier none
         if self.tier != "none":
-            largest = max(b.part for b in layout.buckets) * torch.empty((), dtype=dtype).element_size()
-            buffer_bytes = max(padded(largest), padded(param_cfg.buffer_size * torch.empty((), dtype=dtype).element_size()))
+            largest = max(b.part for b in layout.buckets)
+            if largest > param_cfg.buffer_size:
+                raise ValueError(f"zero_optimization.offload_param.buffer_size {param_cfg.buffer_size:,} is smaller than "
+                                 f"the largest parameter part ({largest:,} elements); raise it")
+            # Buffers are sized to the parts themselves: the pool holds buffer_count of the largest.
+            buffer_bytes = padded(largest * torch.empty((), dtype=dtype).element_size())
             self.store = TieredStore(
                 param_cfg.nvme_path if self.tier == "nvme" else None,
-                pinned_limit_bytes=param_cfg.buffer_count * (buffer_bytes + 2 * HEADER_BYTES),
+                pinned_limit_bytes=param_cfg.buffer_count * (buffer_bytes + 2 * HEADER_BYTES + 8192),
                 aio=config.aio,
                 pin_memory=None if param_cfg.pin_memory else False,
                 pool_setting_name="zero_optimization.offload_param.buffer_count (or buffer_size)",
@@ -146,14 +150,23 @@ class PartitionedWeights:
         self._managed: dict[torch.nn.Parameter, _Managed] = {}
         for bucket in layout.buckets:
             (slot,) = bucket.slots
-            m = _Managed(slot, bucket, f"param{bucket.index:06d}", slot.numel <= zero.stage3_param_persistence_threshold)
-            self._managed[slot.param] = m
-            self._write_shard(m, self._own_part(slot, bucket))
-            self._free(m)
+            self._managed[slot.param] = _Managed(slot, bucket, f"param{bucket.index:06d}",
+                                                 slot.numel <= zero.stage3_param_persistence_threshold)
+        self._model = model
+        self._hooks = []
+
+    def add(self, param: torch.nn.Parameter) -> None:
+        """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
+        m = self._managed[param]
+        self._write_shard(m, self._own_part(m.slot, m.bucket))
+        self._free(m)
+
+    def finish(self) -> None:
+        """Every parameter was added: gather the persistent ones, install the hooks."""
         for m in self._managed.values():
             if m.persistent:
                 self._gather(m, record=False)
-        self._hooks = []
+        model = self._model
         for module in model.modules():
             if any(p in self._managed for p in module.parameters(recurse=False)):
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward))

@@ -14,21 +14,18 @@ from __future__ import annotations
 import torch
 
 from offload.zero import comm
-from offload.zero.layout import FlatLayout
+from offload.zero.layout import Bucket, FlatLayout
 
 
-def initial_master(layout: FlatLayout) -> torch.Tensor:
-    """This rank's owned fp32 weights, read from the parameters as they are now
-    (one parameter at a time: the full model is never copied at once)."""
-    owned = torch.zeros(layout.owned)
-    for bucket in layout.buckets:
-        begin = bucket.start + layout.rank * bucket.part
-        for slot in bucket.slots:
-            lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, begin + bucket.part)
-            if lo < hi:
-                src = slot.param.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
-                owned[bucket.owned_offset + lo - begin : bucket.owned_offset + hi - begin].copy_(src)
-    return owned
+def owned_part(layout: FlatLayout, bucket: Bucket) -> torch.Tensor:
+    """This rank's part of ``bucket``, fp32, read from the parameters as they are now."""
+    part = torch.zeros(bucket.part)
+    begin = bucket.start + layout.rank * bucket.part
+    for slot in bucket.slots:
+        lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, begin + bucket.part)
+        if lo < hi:
+            part[lo - begin : hi - begin].copy_(slot.param.detach().reshape(-1)[lo - slot.offset : hi - slot.offset])
+    return part
 
 
 class ReplicatedWeights:

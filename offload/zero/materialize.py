@@ -1,0 +1,65 @@
+"""Turning a model built on the meta device into real weights, one module at a time.
+
+``materialize`` visits ``model.modules()`` in order. For each module it
+allocates the module's own meta parameters and buffers on the CPU and runs
+``init_fn(module)``, which must initialise only those (``reset_parameters``
+is the default). A parameter is handed to ``on_ready`` once every module that
+holds it has been visited (a tied weight after its last holder), so the caller
+can partition and free it at once: the whole model never exists at once.
+
+The same routine builds a model eagerly (``on_ready=None``). So a model that
+is always built on meta and then materialised this way gets the same weights
+from the same seed, whether built eagerly, under ``offload.init``, or on any
+number of ranks: every rank draws every value and keeps its part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def default_init(module: torch.nn.Module) -> None:
+    if hasattr(module, "reset_parameters") and (
+            any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))):
+        module.reset_parameters()
+
+
+def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
+                on_ready: Callable[[torch.nn.Parameter], None] | None = None) -> None:
+    init_fn = init_fn or default_init
+    holders: dict[torch.nn.Parameter, int] = {}
+    for module in model.modules():
+        for p in set(module.parameters(recurse=False)):
+            holders[p] = holders.get(p, 0) + 1
+    for module in model.modules():
+        own = set(module.parameters(recurse=False))
+        for p in own:
+            if p.is_meta:  # swap, not replace: the same Parameter object stays in every holder
+                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+        with torch.no_grad():
+            init_fn(module)
+        for p in own:
+            holders[p] -= 1
+            if holders[p] == 0 and on_ready is not None:
+                on_ready(p)
+
+
+def is_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    with torch.device("meta"):
+        yield
+
+
+def building_on_meta() -> bool:
+    """True inside ``offload.init`` (or any meta default device)."""
+    return torch.empty(()).device.type == "meta"

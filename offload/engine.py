@@ -73,10 +73,13 @@ class Engine:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        self.device = torch.device("cpu") if named[0][1].is_meta else named[0][1].device
+        if named[0][1].is_meta:  # built under offload.init: run where the accelerator is
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        else:
+            self.device = named[0][1].device
         self.dtype = _DTYPES[config.compute_dtype_name]
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
-        self.layout = FlatLayout(named, self.rank, self.world, 1 if zero.stage == 3 else zero.reduce_bucket_size)
+        self.layout = FlatLayout(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)
         offloaded = offload.device != "none"
         host = dict(device="cpu", pin_memory=offload.pin_memory and torch.cuda.is_available())
         where = host if offloaded else dict(device=self.device)
@@ -96,8 +99,9 @@ class Engine:
                 self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
                                             owned_part(self.layout, bucket))
             self.optimizer.finish_master()
-            model.to(self.dtype)
+            model.to(self.device, self.dtype)
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype)
+        self.reducer.install()
         self.scaler = LossScaler(config.fp16)
         self.delayed = offload.delayed_update
         self.delay_warmup = offload.delayed_update_warmup
@@ -133,11 +137,11 @@ class Engine:
         managed = set(self.reducer.slot_of)
         for module in model.modules():  # what is not partitioned runs in the compute dtype too
             for name, p in module._parameters.items():
-                if p is not None and p not in managed and p.is_floating_point():
-                    p.data = p.data.to(self.dtype)
+                if p is not None and p not in managed:
+                    p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
             for name, b in module._buffers.items():
-                if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(self.dtype)
+                if b is not None:
+                    module._buffers[name] = b.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
         self.weights.finish()
 
     # -- training ------------------------------------------------------------------
@@ -218,10 +222,10 @@ class Engine:
         if self._pending is None:
             return
         start = time.perf_counter()
-        self.times.optimizer = self._pending.result()  # re-raises the worker's error here
+        pending, self._pending = self._pending, None
+        self.times.optimizer = pending.result()  # re-raises the worker's error here, once
         self.times.dpu_wait = time.perf_counter() - start
         self.times.optimizer_detail = dict(vars(self.optimizer.times))
-        self._pending = None
         self._publish()
 
     def synchronize(self) -> None:
@@ -296,7 +300,9 @@ class Engine:
         return plan
 
     def memory_report(self) -> MemoryReport:
-        """Bytes per tier for weights, gradients and optimizer state, current and peak."""
+        """Bytes per tier for weights, gradients and optimizer state, current and
+        peak. Waits for a delayed update in flight (its worker uses the store)."""
+        self._finish_pending()
         spare = self._spare_grads
         owned_grad = self.reducer.owned_bytes + (0 if spare is None else spare.numel() * spare.element_size())
         grad_tier = "device" if self.optimizer.tier == "none" else "host"
@@ -312,13 +318,17 @@ class Engine:
         return report
 
     def close(self) -> None:
-        """Finish pending work, remove hooks and swap files."""
-        self.synchronize()
-        if self._worker is not None:
-            self._worker.shutdown()
-        self.reducer.remove()
-        self.weights.close()
-        self.optimizer.close()
+        """Finish pending work, remove hooks and swap files (also after a failure)."""
+        try:
+            self.synchronize()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown()
+            self.reducer.remove()
+            try:
+                self.weights.close()
+            finally:
+                self.optimizer.close()
 
     def __enter__(self) -> Engine:
         return self

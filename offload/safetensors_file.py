@@ -44,7 +44,7 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
             if got_key != key or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
                 raise RuntimeError(f"export: expected {key} {dtype} {list(shape)}, got {got_key} {tensor.dtype} {list(tensor.shape)}")
             if f:
-                f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                f.write(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         if f:
             f.flush()
             os.fsync(f.fileno())
@@ -52,6 +52,8 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
         if f:
             f.close()
             os.unlink(partial)
+        for _ in tensors:  # let the other ranks finish the collectives behind the iterator
+            pass
         raise
     if f:
         f.close()

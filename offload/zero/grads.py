@@ -33,7 +33,12 @@ class GradientReducer:
         self.bucket_bytes = 0
         self.seconds = 0.0  # spent reducing and copying to the owned gradient, for the step breakdown
         self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in layout.slots]
+        self._hooks = []
+
+    def install(self) -> None:
+        """Register the gradient hooks: after the parameters are final objects
+        (materialising a meta-built model swaps tensors, which drops hooks)."""
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.layout.slots]
 
     @property
     def owned_grads(self) -> torch.Tensor:

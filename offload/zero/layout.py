@@ -51,13 +51,15 @@ class Bucket:
 
 
 class FlatLayout:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], rank: int, world: int, bucket_elems: int) -> None:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], rank: int, world: int,
+                 bucket_elems: int | None) -> None:
+        """``bucket_elems=None``: every parameter its own bucket (stage 3)."""
         self.rank, self.world = rank, world
         self.slots: list[Slot] = []
         self.buckets: list[Bucket] = []
         groups: list[list[tuple[str, torch.nn.Parameter]]] = []
         for name, p in named_params:
-            if not groups or (groups[-1] and sum(q.numel() for _, q in groups[-1]) + p.numel() > bucket_elems):
+            if not groups or bucket_elems is None or sum(q.numel() for _, q in groups[-1]) + p.numel() > bucket_elems:
                 groups.append([])
             groups[-1].append((name, p))
         start = owned = 0

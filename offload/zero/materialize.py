@@ -22,9 +22,13 @@ import torch
 
 
 def default_init(module: torch.nn.Module) -> None:
-    if hasattr(module, "reset_parameters") and (
-            any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))):
-        module.reset_parameters()
+    owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+    if not owns:
+        return
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(f"{type(module).__name__} has its own parameters or buffers but no reset_parameters(), so a "
+                         "meta-built copy cannot be initialised; pass init_fn to offload.initialize")
+    module.reset_parameters()
 
 
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,

@@ -122,6 +122,9 @@ class PartitionedWeights:
         self.layout, self.device, self.dtype = layout, device, dtype
         self.tier = param_cfg.device
         self.prefetch_elements = min(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters)
+        # Read-ahead may hold all pool buffers but two: one for the parameter gathered
+        # now, one for a write-back in flight.
+        self.read_ahead_buffers = max(1, param_cfg.buffer_count - 2)
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.store: TieredStore | None = None
@@ -169,7 +172,7 @@ class PartitionedWeights:
         model = self._model
         for module in model.modules():
             if any(p in self._managed for p in module.parameters(recurse=False)):
-                self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
             self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
@@ -213,8 +216,9 @@ class PartitionedWeights:
         if m.state is ParamState.GATHERED:
             return
         p, numel = m.slot.param, m.slot.numel
+        # Blocking copy: the shard's pool buffer is handed back right after.
+        shard = self._read_shard(m).to(self.device)
         p.data.untyped_storage().resize_(numel * p.element_size())
-        shard = self._read_shard(m).to(self.device, non_blocking=True)
         if self.layout.world > 1:
             full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
             comm.all_gather(full, shard)
@@ -244,11 +248,13 @@ class PartitionedWeights:
     def _direct(self, module: torch.nn.Module) -> list[_Managed]:
         return [self._managed[p] for p in module.parameters(recurse=False) if p in self._managed]
 
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
         for m in self._direct(module):
             m.forward_refs += 1
             self._gather(m)
-        return _wrap(_ReleaseAfterBackward, self, module, args) if torch.is_grad_enabled() else args
+        if torch.is_grad_enabled():
+            return _wrap(_ReleaseAfterBackward, self, module, (args, kwargs))
+        return args, kwargs
 
     def _post_forward(self, module, args, output):
         if torch.is_grad_enabled():
@@ -274,16 +280,20 @@ class PartitionedWeights:
         self._release(m)
 
     def end_backward(self) -> None:
-        """Drop the backward references of parameters that got no gradient."""
+        """Forward and backward are over: drop every reference left. Backward ones
+        belong to parameters that got no gradient; forward ones to a module whose
+        forward never finished (an exception, or activation checkpointing
+        stopping its recomputation early, inside the module)."""
         for m in self._managed.values():
-            if m.backward_refs:
-                m.backward_refs = 0
-                self._release(m)
+            m.forward_refs = m.backward_refs = 0
+            self._release(m)
 
     # -- prefetch ------------------------------------------------------------------------
 
     def begin_pass(self) -> None:
         """A forward (and its backward) starts: compare it with the recorded order."""
+        self.end_backward()  # a forward without backward (evaluation) leaves nothing behind either
+        self._drop_read_ahead()
         if self._record and (not self._on_trace or self._training not in self._trace):
             self._trace[self._training] = self._record
         self._training = torch.is_grad_enabled()
@@ -300,37 +310,51 @@ class PartitionedWeights:
             self._prefetch()
             return
         self._on_trace = False
+        self._drop_read_ahead()
         if not self._warned_order:
             self._warned_order = True
             warnings.warn("offload stage 3: the order in which modules use their parameters changed "
                           "(data-dependent control flow?); read-ahead pauses and the order is recorded again. "
-                          "Results are unaffected.", RuntimeWarning, stacklevel=2)
+                          "Read-ahead never changes results; with several ranks, every rank must still run "
+                          "the same modules in the same order.", RuntimeWarning, stacklevel=2)
 
     def _prefetch(self) -> None:
         trace = self._trace.get(self._training)
         if self.tier != "nvme" or not trace or not self._on_trace:
             return
-        budget, keys = self.prefetch_elements, []
+        budget, keys, seen = self.prefetch_elements, [], set()
+        room = self.read_ahead_buffers - len(self._read_ahead)
         for m in trace[self._cursor :]:
-            if budget < m.slot.numel:
+            if budget < m.slot.numel or len(keys) >= room:
                 break
             budget -= m.slot.numel
-            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead:
+            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead and m.key not in seen:
                 keys.append(m.key)
+                seen.add(m.key)
         self._read_ahead.update(keys)
         self.store.prefetch(keys)
+
+    def _drop_read_ahead(self) -> None:
+        """Give back the buffers of read-ahead that will not be used."""
+        if self.store is None or not self._read_ahead:
+            return
+        keys = sorted(self._read_ahead)
+        self._read_ahead.clear()
+        self.store.get(keys)
+        self.store.release(keys, dirty=False)
 
     # -- after the optimizer -----------------------------------------------------------
 
     def publish(self, staging: torch.Tensor) -> None:
         """Write this rank's new parts into the tier; re-gather persistent parameters."""
+        self._drop_read_ahead()
         for m in self._managed.values():
+            if m.state is ParamState.GATHERED:  # persistent, or left over: its values are stale now
+                m.forward_refs = m.backward_refs = 0
+                self._free(m)
             self._write_shard(m, staging[m.bucket.owned_range()])
             if m.persistent:
-                m.state = ParamState.PARTITIONED
-                self.live_bytes -= m.slot.numel * m.slot.param.element_size()
                 self._gather(m, record=False)
-        self._read_ahead.clear()
 
     def states(self) -> dict[str, ParamState]:
         return {m.slot.name: m.state for m in self._managed.values()}

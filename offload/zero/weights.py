@@ -41,7 +41,7 @@ class ReplicatedWeights:
         rank = self.layout.rank
         for bucket in self.layout.buckets:
             mine = self.flat[bucket.part_range(rank)]
-            mine.copy_(staging[bucket.owned_range()], non_blocking=True)
+            mine.copy_(staging[bucket.owned_range()])  # blocking: the DPU worker writes staging next
             if self.layout.world > 1:
                 comm.all_gather(self.flat[bucket.flat_range()], mine.clone())
 

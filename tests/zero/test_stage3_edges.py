@@ -1,0 +1,139 @@
+"""Stage 3 edge cases found in review: meta-built models train; checkpointing
+that stops its recomputation inside a module; read-ahead within the pool;
+0-dim buffers in export; memory reports during a delayed update; empty
+parameters; kwargs inputs; modules a meta build cannot initialise."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+import offload
+from offload import _native
+from offload.models.gpt import GPT, SIZES
+from offload.safetensors_file import read_safetensors
+
+from .harness import batch, config, make_model, max_difference, train_engine
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, foreach=False)
+
+
+def _reference(model, data, loss_fn):
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for x in data:
+        opt.zero_grad()
+        loss_fn(model, x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return model
+
+
+def _engine(model, cfg, data, loss_fn, init_fn=None):
+    engine = offload.initialize(model, cfg, init_fn=init_fn)
+    for x in data:
+        engine.backward(loss_fn(engine, x))
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_built_under_offload_init_trains_like_an_eager_one(tmp_path, stage):
+    cfg = config(stage, "nvme", 1, str(tmp_path), param_device="nvme" if stage == 3 else None)
+    data = [torch.randint(0, 256, (2, 33)) for _ in range(3)]
+    torch.manual_seed(3)
+    eager = _engine(GPT(SIZES["tiny"]), cfg, data, lambda m, x: m(x))
+    torch.manual_seed(3)
+    with offload.init(cfg):
+        meta = GPT(SIZES["tiny"])
+    built = _engine(meta, cfg, data, lambda m, x: m(x), init_fn=meta.init_module)
+    a, b = eager.state_dict(), built.state_dict()
+    torch.manual_seed(3)
+    initial = GPT(SIZES["tiny"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["blocks.0.fc.weight"], initial["blocks.0.fc.weight"])  # it did train
+    eager.close()
+    built.close()
+
+
+class EndsInLinear(nn.Module):
+    """Checkpointed blocks whose last op is a Linear, called with keyword inputs:
+    recomputation stops inside the Linear's forward, before its post-hook."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + cp.checkpoint(lambda y, b=block: b(input=y), x, use_reentrant=False)
+        return self.head(x).square().mean()
+
+
+def test_checkpoint_stopping_inside_a_module_and_kwargs_inputs(tmp_path):
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    data = [torch.randn(4, 16) for _ in range(4)]
+    ref = _reference(EndsInLinear(), data, lambda m, x: m(x))
+    with _engine(EndsInLinear(), cfg, data, lambda m, x: m(x)) as engine:
+        assert max_difference(engine.state_dict(), ref) < 1e-5
+
+
+def test_read_ahead_leaves_room_in_the_pool(tmp_path):
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    engine = offload.initialize(model, cfg)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 32)).square().mean())
+        engine.step()
+    engine.close()
+
+
+def test_export_with_a_0_dim_buffer(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    with offload.initialize(model, {"zero_optimization": {"stage": 3}}) as engine:
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+        engine.export(str(tmp_path / "m.safetensors"))
+        state = engine.state_dict()
+    exported = read_safetensors(str(tmp_path / "m.safetensors"))
+    assert exported["1.num_batches_tracked"].shape == () and torch.equal(exported["1.num_batches_tracked"], state["1.num_batches_tracked"])
+
+
+def test_memory_report_during_delayed_updates():
+    cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 0})
+    engine = offload.initialize(make_model(), cfg)
+    for step in range(10):
+        engine.backward(engine(batch(step, 0, 0)))
+        engine.step()
+        assert engine.memory_report()[("optimizer state", "host")]["bytes"] > 0
+    engine.close()
+
+
+def test_an_empty_parameter_in_stage_3():
+    model = nn.Linear(4, 4)
+    model.nothing = nn.Parameter(torch.zeros(0))
+    with offload.initialize(model, {"zero_optimization": {"stage": 3}}) as engine:
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        assert engine.state_dict()["nothing"].shape == (0,)
+
+
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_meta_module_without_reset_parameters_is_refused():
+    with offload.init():
+        model = NoReset()
+    with pytest.raises(ValueError, match="NoReset has its own parameters or buffers but no reset_parameters"):
+        offload.initialize(model, {"zero_optimization": {"stage": 3}})

@@ -48,6 +48,10 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
+    # Skip interpreter teardown: gloo's background threads occasionally abort
+    # the process there ("terminate called without an active exception") after
+    # all work is done. Every engine above is closed; the results are on disk.
+    os._exit(0)
 
 
 def _overflow_on_one_rank(rank: int) -> list:

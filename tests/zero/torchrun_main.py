@@ -18,4 +18,6 @@ with train_engine(make_model(), 5, 2, cfg, rank=rank) as engine:
     difference = max_difference(engine.state_dict(), ref)
 print(f"rank {rank} of {dist.get_world_size()}: max difference {difference:.2e}", flush=True)
 dist.destroy_process_group()
-sys.exit(0 if difference < 1e-5 else 1)
+# os._exit skips interpreter teardown, where gloo's worker threads can abort the
+# process (a known gloo issue); the engine is closed and the result printed.
+os._exit(0 if difference < 1e-5 else 1)

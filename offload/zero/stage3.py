@@ -14,13 +14,13 @@ A parameter is gathered while anyone holds a reference:
     directly on it, and the post-hook drops it. So a parent's own parameters
     stay gathered for the whole parent forward, a tied parameter for as long
     as any of its modules runs, and a module called twice gathers twice.
-  - backward: an identity autograd function on the module's outputs takes a
-    reference when their gradient arrives, before the module's own backward
-    (and before any activation-checkpoint recomputation inside it); another on
-    its inputs drops it once the gradient has flowed through the module (the
-    autograd engine runs a module's nodes before that earlier-created one). So
-    a tied weight is released between its uses. The parameter's
-    post-accumulate-grad hook drops any backward reference left.
+  - backward: a gradient hook on the module's outputs (``any`` of them) takes
+    a reference when their first gradient arrives, before the module's own
+    backward (and before any activation-checkpoint recomputation inside it);
+    one on its inputs (``all`` of them) drops it once the gradient has flowed
+    through the module. So a tied weight is released between its uses, and
+    in-place operations on outputs or inputs are fine (hooks, not views). The
+    parameter's post-accumulate-grad hook drops any backward reference left.
   - leftovers (parameters that got no gradient) are dropped at the end of
     backward.
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay
@@ -70,48 +70,8 @@ class _Managed:
         return self.forward_refs + self.backward_refs
 
 
-class _GatherForBackward(torch.autograd.Function):
-    """Identity on a module's outputs; in backward, gathers the module's parameters."""
-
-    @staticmethod
-    def forward(ctx, weights, module, *outputs):
-        ctx.weights, ctx.module = weights, module
-        views = tuple(o.view_as(o) for o in outputs)
-        return views if len(views) > 1 else views[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.weights.gather_for_backward(ctx.module)
-        return (None, None, *grads)
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; in backward (which reaches the inputs
-    after the module's own backward), drops one backward reference of the
-    module's parameters."""
-
-    @staticmethod
-    def forward(ctx, weights, module, *inputs):
-        ctx.weights, ctx.module = weights, module
-        views = tuple(i.view_as(i) for i in inputs)
-        return views if len(views) > 1 else views[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.weights.release_after_backward(ctx.module)
-        return (None, None, *grads)
-
-
-def _wrap(function, weights, module, value):
-    """Apply ``function`` to the tensors in ``value`` that require grad; the rest pass through."""
-    leaves, spec = pytree.tree_flatten(value)
-    chosen = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not chosen:
-        return value
-    wrapped = function.apply(weights, module, *(leaves[i] for i in chosen))
-    for i, t in zip(chosen, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, spec)
+def _grad_tensors(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class PartitionedWeights:
@@ -252,17 +212,19 @@ class PartitionedWeights:
         for m in self._direct(module):
             m.forward_refs += 1
             self._gather(m)
-        if torch.is_grad_enabled():
-            return _wrap(_ReleaseAfterBackward, self, module, (args, kwargs))
-        return args, kwargs
+        inputs = _grad_tensors((args, kwargs)) if torch.is_grad_enabled() else []
+        if inputs:  # fires once the gradient has flowed through the module to all its inputs
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self.release_after_backward(module), mode="all")
 
     def _post_forward(self, module, args, output):
-        if torch.is_grad_enabled():
-            output = _wrap(_GatherForBackward, self, module, output)
+        outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if outputs:  # fires when the first output gradient arrives, before the module's backward
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grad: self.gather_for_backward(module), mode="any")
         for m in self._direct(module):
             m.forward_refs -= 1
             self._release(m)
-        return output
 
     def gather_for_backward(self, module: torch.nn.Module) -> None:
         for m in self._direct(module):

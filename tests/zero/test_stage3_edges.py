@@ -137,3 +137,29 @@ def test_a_meta_module_without_reset_parameters_is_refused():
         model = NoReset()
     with pytest.raises(ValueError, match="NoReset has its own parameters or buffers but no reset_parameters"):
         offload.initialize(model, {"zero_optimization": {"stage": 3}})
+
+
+class InPlace(nn.Module):
+    """ReLU(inplace=True) right after a Linear, and a module that adds into its input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True))
+        self.bias_in = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.body(x * 1.0)
+        h += self.bias_in(h.clone())
+        return self.head(h).square().mean()
+
+
+def test_in_place_operations_on_module_outputs(tmp_path):
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    data = [torch.randn(4, 16) for _ in range(4)]
+    ref = _reference(InPlace(), data, lambda m, x: m(x))
+    with _engine(InPlace(), cfg, data, lambda m, x: m(x)) as engine:
+        assert max_difference(engine.state_dict(), ref) < 1e-5
+        assert engine.weights.live_bytes == 0

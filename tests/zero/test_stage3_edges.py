@@ -140,7 +140,7 @@ def test_a_meta_module_without_reset_parameters_is_refused():
 
 
 class InPlace(nn.Module):
-    """ReLU(inplace=True) right after a Linear, and a module that adds into its input."""
+    """ReLU(inplace=True) right after a Linear, and an in-place add into a Linear's output."""
 
     def __init__(self):
         super().__init__()
@@ -151,8 +151,9 @@ class InPlace(nn.Module):
 
     def forward(self, x):
         h = self.body(x * 1.0)
-        h += self.bias_in(h.clone())
-        return self.head(h).square().mean()
+        y = self.bias_in(h)
+        y += h
+        return self.head(y).square().mean()
 
 
 def test_in_place_operations_on_module_outputs(tmp_path):

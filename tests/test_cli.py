@@ -119,6 +119,16 @@ def test_bench_step_reports_breakdown_and_efficiencies(tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_bench_step_stage_3_with_weights_on_nvme(tmp_path, capsys):
+    argv = ["bench", "step", "--model", "tiny", "--stage", "3", "--offload", "cpu", "--offload-param", "nvme",
+            "--steps", "1", "--nvme-path", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stage"] == 3 and result["offload_param"] == "nvme" and result["plain"]["wall"] > 0
+    assert os.listdir(tmp_path) == []
+
+
 def test_bench_step_refuses_dpu_without_offload():
     proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--offload", "none", "--dpu"],
                           capture_output=True, text=True)

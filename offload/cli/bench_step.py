@@ -1,7 +1,7 @@
 """``offload bench step``: where a training step's time goes, on a GPT-style model.
 
-Trains the bundled GPT of the chosen size with ZeRO stage 2 and the chosen
-optimizer tier, and reports the median step's breakdown: forward, backward,
+Trains the bundled GPT of the chosen size with ZeRO stage 2 (or 3, with a
+weight tier) and the chosen optimizer tier, and reports the median step's breakdown: forward, backward,
 gradient copy (reduce-scatter into the host fp32 gradient), optimizer (CPU
 Adam), swap wait (waiting for NVMe reads and write-backs), upload (publishing
 the new weights). Two efficiencies:
@@ -41,6 +41,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SIZES), default="25M", help="bundled GPT size (default 25M)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="nvme", help="optimizer state tier (default nvme)")
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (default 2)")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
+                   help="stage 3: weight partition tier (default none)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary directory)")
     p.add_argument("--dpu", action="store_true", help="also run with the one-step delayed update and compare")
     p.add_argument("--steps", type=positive_int, default=5, help="measured steps after 2 warm-up steps (default 5)")
@@ -55,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"the native library is unavailable: {_native.status().reason}")
     if args.dpu and args.offload == "none":
         raise UserError("--dpu needs --offload cpu or nvme: the delayed update overlaps the CPU step")
+    if args.offload_param != "none" and args.stage != 3:
+        raise UserError("--offload-param needs --stage 3 (only stage 3 partitions the weights)")
     with tempfile.TemporaryDirectory(prefix="offload-bench-step-", dir=args.nvme_path) as nvme:
-        result = {"model": args.model, "params": SIZES[args.model].params(), "offload": args.offload}
+        result = {"model": args.model, "params": SIZES[args.model].params(), "offload": args.offload,
+                  "stage": args.stage, "offload_param": args.offload_param}
         result["plain"] = measure(args, nvme, delayed=False)
         if args.offload == "nvme":
             state = 12 * SIZES[args.model].params()
@@ -81,12 +87,16 @@ def measure(args: argparse.Namespace, nvme: str, delayed: bool) -> dict:
     c = SIZES[args.model]
     model = GPT(c)
     a = _aio()
-    cfg = {"zero_optimization": {"stage": 2, "sub_group_size": args.sub_group_size, "reduce_bucket_size": 50_000_000,
+    cfg = {"zero_optimization": {"stage": args.stage, "sub_group_size": args.sub_group_size, "reduce_bucket_size": 50_000_000,
                                  "offload_optimizer": {"device": args.offload, "nvme_path": nvme, "buffer_count": 4,
                                                        "delayed_update": delayed, "delayed_update_warmup": 1}},
            "aio": {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count}}
     if args.offload == "none":
         del cfg["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    if args.stage == 3:
+        cfg["zero_optimization"]["offload_param"] = {"device": args.offload_param, "nvme_path": nvme}
+        if args.offload_param != "nvme":
+            del cfg["zero_optimization"]["offload_param"]["nvme_path"]
     tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1))
     rows = []
     bar = Progress(args.steps + 2, f"bench step {args.offload}{' dpu' if delayed else ''}", enabled=not args.json)
@@ -134,7 +144,9 @@ def _pipeline_efficiency(plain: dict, disk: dict) -> float:
 
 
 def report(r: dict) -> str:
-    lines = [f"offload bench step: GPT {r['model']} ({r['params'] / 1e6:.1f}M parameters), ZeRO stage 2, optimizer on {r['offload']}", ""]
+    weights = f", weights on {r['offload_param']}" if r["stage"] == 3 else ""
+    lines = [f"offload bench step: GPT {r['model']} ({r['params'] / 1e6:.1f}M parameters), ZeRO stage {r['stage']}, "
+             f"optimizer on {r['offload']}{weights}", ""]
     modes = [("plain", r["plain"])] + ([("dpu", r["dpu"])] if "dpu" in r else [])
     lines.append(f"{'seconds per step':18}" + "".join(f"{m:>10}" for m, _ in modes))
     for part in PARTS:

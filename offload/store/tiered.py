@@ -218,6 +218,27 @@ class TieredStore:
                 self._return_buffers(shard)
                 shard.state = State.ON_DISK
 
+    def overwrite(self, key: str, tensor: torch.Tensor) -> None:
+        """Replace a shard's whole content without reading the old one; an nvme
+        shard is written back asynchronously, as after ``release(dirty=True)``."""
+        shard = self._shard(key)
+        if ShardMeta.of(tensor) != shard.meta:
+            raise ValueError(f"shard {key!r} holds {shard.meta}; cannot overwrite it with {ShardMeta.of(tensor)}")
+        source = tensor.detach().contiguous().view(-1)
+        if shard.tier is Tier.CPU:
+            shard.tensor.view(-1).copy_(source)
+            return
+        if shard.state is State.READING:  # a read-ahead we no longer need: let it land, then reuse its buffer
+            self._finish_read(shard)
+        elif shard.state is State.WRITING:
+            self._resident(shard)
+        elif shard.state is State.ON_DISK:
+            shard.buffer = self._acquire(shard.meta.padded_nbytes, key)
+            shard.state = State.RESIDENT
+        shard.expect(State.RESIDENT)
+        _view(shard).view(-1).copy_(source)
+        self._start_write(shard)
+
     def flush(self) -> None:
         """Wait for every write-back; raise the first failure among them."""
         failed = self._reap(block=True)

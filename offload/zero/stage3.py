@@ -155,9 +155,7 @@ class PartitionedWeights:
         elif m.key not in self.store.keys():
             self.store.put(m.key, part, self.tier)
         else:
-            (shard,) = self.store.get([m.key])
-            shard.copy_(part)
-            self.store.release([m.key], dirty=True)
+            self.store.overwrite(m.key, part)  # the old part is not read back first
 
     def _read_shard(self, m: _Managed) -> torch.Tensor:
         if self.tier == "none":

@@ -300,3 +300,16 @@ def test_bad_use_is_refused_clearly(tmp_path):
         store.flush()
         with pytest.raises(RuntimeError, match="is on_disk, expected resident"):
             store.release(["n"], dirty=True)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_overwrite_replaces_without_reading(tmp_path, tier):
+    with _store(tmp_path) as store:
+        store.put("o", torch.zeros(3000), tier)
+        store.flush()
+        store.overwrite("o", torch.full((3000,), 7.0))
+        store.flush()
+        assert store.stats()["io"]["reads"] == 0
+        assert torch.equal(store.get(["o"])[0], torch.full((3000,), 7.0))
+        with pytest.raises(ValueError, match="cannot overwrite it"):
+            store.overwrite("o", torch.zeros(5))

@@ -136,6 +136,9 @@ class Config:
         offload = self.zero_optimization.offload_optimizer
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set it to a directory on the NVMe disk")
+        if offload.delayed_update and self.zero_optimization.stage == 3:
+            raise ConfigError("zero_optimization.offload_optimizer.delayed_update is for stages 1 and 2; stage 3 "
+                              "writes each step's weights straight into their tier")
         if offload.delayed_update and offload.device == "none":
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 

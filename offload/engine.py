@@ -83,7 +83,9 @@ class Engine:
         offloaded = offload.device != "none"
         host = dict(device="cpu", pin_memory=offload.pin_memory and torch.cuda.is_available())
         where = host if offloaded else dict(device=self.device)
-        self.staging = torch.empty(self.layout.owned, dtype=self.dtype, **where)
+        # Stages 1 and 2: the new weights' owned parts, before the all-gather. Stage 3
+        # writes them per sub-group straight into the weight tier instead.
+        self.staging = torch.empty(self.layout.owned, dtype=self.dtype, **where) if zero.stage < 3 else None
         # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
         self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, where)
         self._spare_grads: torch.Tensor | None = None  # the delayed update's second gradient buffer
@@ -193,6 +195,14 @@ class Engine:
                 multiplier *= coefficient
         if self.delayed and self.global_steps >= self.delay_warmup:
             self._delayed_step(grads, multiplier)
+        elif self.staging is None:  # stage 3: weights go to their tier during the step
+            start = time.perf_counter()
+            self.weights.begin_publish()
+            self.optimizer.step(grads, multiplier, self.weights)
+            self.weights.end_publish()
+            self.times.optimizer = time.perf_counter() - start
+            self.times.optimizer_detail = dict(vars(self.optimizer.times))
+            grads.zero_()
         else:
             start = time.perf_counter()
             self.optimizer.step(grads, multiplier, self.staging)
@@ -306,12 +316,13 @@ class Engine:
         spare = self._spare_grads
         owned_grad = self.reducer.owned_bytes + (0 if spare is None else spare.numel() * spare.element_size())
         grad_tier = "device" if self.optimizer.tier == "none" else "host"
-        staging = self.staging.numel() * self.staging.element_size()
+        staging = 0 if self.staging is None else self.staging.numel() * self.staging.element_size()
         report = MemoryReport()
         self.weights.memory(report)
         report.add("gradients", "device", self.reducer.device_bytes, self.reducer.peak_bucket_bytes)
         report.add("gradients", grad_tier, owned_grad, owned_grad)
-        report.add("weights (staging copy)", grad_tier, staging, staging)
+        if self.staging is not None:
+            report.add("weights (staging copy)", grad_tier, staging, staging)
         for tier, figures in self.optimizer.state_bytes().items():
             name = "host (pinned pool)" if tier == "pinned" else "host" if tier == "cpu" else tier
             report.add("optimizer state", name, figures["bytes"], figures["peak_bytes"])

@@ -70,6 +70,8 @@ def test_defaults_need_no_warning():
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable at most one"),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is not set"),
         ({"pipeline": {"stages": 2}}, "pipeline: pipeline parallelism is not implemented"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True}}},
+         "delayed_update is for stages 1 and 2"),
         ({"scheduler": {"type": "WarmupLR"}}, "torch.optim.lr_scheduler"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "stage 3"),
         ({"aio": {"block_size": 1000}}, "aio.block_size must be a positive multiple of 4096"),

@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace, nvme: str, delayed: bool) -> dict:
                 "gradient_copy": copy,
                 "optimizer": detail.get("adam", 0.0),
                 "swap_wait": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
-                "upload": engine.times.publish,
+                "upload": engine.times.publish + detail.get("sink", 0.0),
                 "wall": t3 - t0,
                 "optimizer_phase": engine.times.optimizer,
                 "dpu_wait": engine.times.dpu_wait,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,14 @@ from offload.store import TieredStore
 from offload.store.shard_file import HEADER_BYTES, padded
 
 
+class WeightSink(Protocol):
+    """Receives the new compute-dtype weights of owned elements [lo, hi)."""
+
+    dtype: torch.dtype
+
+    def __call__(self, lo: int, hi: int, weights: torch.Tensor) -> None: ...
+
+
 @dataclass
 class StepTimes:
     """Seconds spent in the last step, by kind (summed over sub-groups)."""
@@ -36,6 +45,7 @@ class StepTimes:
     adam: float = 0.0
     swap_wait: float = 0.0
     write_back_wait: float = 0.0
+    sink: float = 0.0  # handing new weights to a sink (stage 3: writing them to their tier)
 
 
 class ShardOptimizer:
@@ -101,20 +111,26 @@ class ShardOptimizer:
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
 
-    def step(self, grads: torch.Tensor, grad_scale: float, out: torch.Tensor) -> None:
+    def step(self, grads: torch.Tensor, grad_scale: float, out: torch.Tensor | WeightSink) -> None:
         """One Adam step of the whole shard from ``grads`` (owned, fp32) times
-        ``grad_scale``; the new weights go to ``out`` (owned, compute dtype)."""
+        ``grad_scale``. The new weights, in the compute dtype, go to ``out``: a
+        tensor of the owned shard's size (the kernel writes it in the same pass),
+        or a sink called per sub-group with the weights of [lo, hi)."""
         self.step_count += 1
         self.times = StepTimes()
         if self.tier == "none":
             start = time.perf_counter()
             self._master.grad.copy_(grads).mul_(grad_scale)
             self._torch_opt.step()
-            out.copy_(self._master)
+            if isinstance(out, torch.Tensor):
+                out.copy_(self._master)
+            else:
+                out(0, self.numel, self._master.detach())
             self.times.adam = time.perf_counter() - start
             return
         keys = [self._key(i) for i in range(len(self.groups))]
-        low_precision = out.dtype != torch.float32
+        dtype = out.dtype
+        low_precision = dtype != torch.float32
         for i, (lo, hi) in enumerate(self.groups):
             if self.pipeline_read:
                 self.store.prefetch(keys[i + 1 : i + 1 + self.read_ahead])
@@ -122,11 +138,16 @@ class ShardOptimizer:
             (state,) = self.store.get([keys[i]])
             self.times.swap_wait += time.perf_counter() - start
             start = time.perf_counter()
+            weights = out[lo:hi] if isinstance(out, torch.Tensor) else torch.empty(hi - lo, dtype=dtype)
             adam_step(state[0], grads[lo:hi], state[1], state[2], self.hyper, self.step_count,
-                      grad_scale=grad_scale, out=out[lo:hi] if low_precision else None)
+                      grad_scale=grad_scale, out=weights if low_precision else None)
             if not low_precision:
-                out[lo:hi].copy_(state[0])
+                weights.copy_(state[0])
             self.times.adam += time.perf_counter() - start
+            if not isinstance(out, torch.Tensor):
+                start = time.perf_counter()
+                out(lo, hi, weights)
+                self.times.sink += time.perf_counter() - start
             self.store.release([keys[i]], dirty=True)
             if not self.pipeline_write:
                 start = time.perf_counter()

@@ -117,6 +117,7 @@ class PartitionedWeights:
                                                  slot.numel <= zero.stage3_param_persistence_threshold)
         self._model = model
         self._hooks = []
+        self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}
 
     def add(self, param: torch.nn.Parameter) -> None:
         """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
@@ -305,14 +306,40 @@ class PartitionedWeights:
 
     # -- after the optimizer -----------------------------------------------------------
 
-    def publish(self, staging: torch.Tensor) -> None:
-        """Write this rank's new parts into the tier; re-gather persistent parameters."""
+    def begin_publish(self) -> None:
+        """New weights are coming: give back read-ahead, free gathered copies (stale now)."""
         self._drop_read_ahead()
+        self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}
         for m in self._managed.values():
-            if m.state is ParamState.GATHERED:  # persistent, or left over: its values are stale now
+            if m.state is ParamState.GATHERED:
                 m.forward_refs = m.backward_refs = 0
                 self._free(m)
-            self._write_shard(m, staging[m.bucket.owned_range()])
+
+    def __call__(self, lo: int, hi: int, weights: torch.Tensor) -> None:
+        """The optimizer's sink: new weights of owned elements [lo, hi). Each
+        parameter's part is written to its tier once complete (a sub-group may
+        end inside a parameter), so no owned-size staging copy is needed."""
+        for m in self._managed.values():
+            r = m.bucket.owned_range()
+            a, b = max(lo, r.start), min(hi, r.stop)
+            if a >= b:
+                continue
+            if a == r.start and b == r.stop:
+                self._write_shard(m, weights[a - lo : b - lo])
+                continue
+            part, filled = self._incoming.get(m, (torch.empty(m.bucket.part, dtype=self.dtype), 0))
+            part[a - r.start : b - r.start].copy_(weights[a - lo : b - lo])
+            filled += b - a
+            if filled == m.bucket.part:
+                self._incoming.pop(m, None)
+                self._write_shard(m, part)
+            else:
+                self._incoming[m] = (part, filled)
+
+    def end_publish(self) -> None:
+        if self._incoming:
+            raise RuntimeError(f"stage 3 publish: {len(self._incoming)} parameters received only part of their weights")
+        for m in self._managed.values():
             if m.persistent:
                 self._gather(m, record=False)
 

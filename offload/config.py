@@ -83,6 +83,7 @@ class OffloadOptimizerConfig:
     buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pinned pool cap)", ge=2)
     pipeline_read: bool = _f(True, "nvme: read sub-group i+1 while i is updated")
     pipeline_write: bool = _f(True, "nvme: write sub-group i-1 back while i is updated")
+    gradients_on_nvme: bool = _f(False, "nvme: keep the fp32 owned gradient in swap files too, not in host memory")
     delayed_update: bool = _f(False, "one-step delayed parameter update (DPU): the CPU step overlaps the next forward/backward")
     delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
 
@@ -136,6 +137,10 @@ class Config:
         offload = self.zero_optimization.offload_optimizer
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set it to a directory on the NVMe disk")
+        if offload.gradients_on_nvme and offload.device != "nvme":
+            raise ConfigError("zero_optimization.offload_optimizer.gradients_on_nvme needs device nvme")
+        if offload.gradients_on_nvme and offload.delayed_update:
+            raise ConfigError("zero_optimization.offload_optimizer.gradients_on_nvme and delayed_update cannot be combined yet")
         if offload.delayed_update and self.zero_optimization.stage == 3:
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update is for stages 1 and 2; stage 3 "
                               "writes each step's weights straight into their tier")

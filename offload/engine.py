@@ -90,6 +90,8 @@ class Engine:
         self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, where)
         self._spare_grads: torch.Tensor | None = None  # the delayed update's second gradient buffer
         self.optimizer = ShardOptimizer(self.layout.owned, config, self.device)
+        if self.optimizer.grads_on_disk:  # the owned gradient lives in swap files, sub-group by sub-group
+            self.reducer.sink = self.optimizer.add_grad
         if zero.stage == 3:
             # After the reducer: its gradient hooks must run before the weights' release hooks.
             self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype)
@@ -158,6 +160,8 @@ class Engine:
             self.optimizer.prefetch()  # the optimizer's first reads overlap this backward
         (loss * (self.scaler.scale / self.accumulation)).backward()
         self.reducer.end_of_backward()
+        if self.optimizer.grads_on_disk:
+            self.optimizer.close_grad()
         self.weights.end_backward()
         self.micro_steps += 1
 
@@ -177,19 +181,22 @@ class Engine:
         self.times = PhaseTimes()
         start = time.perf_counter()
         self.reducer.at_boundary()
-        grads = self.reducer.owned_grads
+        on_disk = self.optimizer.grads_on_disk
+        grads = None if on_disk else self.reducer.owned_grads
         self.times.reduce = time.perf_counter() - start
-        if self.scaler.enabled and self._overflow(grads):
-            grads.zero_()
+        clip = self.config.gradient_clipping
+        if self.scaler.enabled or clip > 0:
+            squares, finite = self._grad_summary(grads)
+        if self.scaler.enabled and self._overflow(finite):
+            self._zero_grads(grads)
             self.scaler.update(overflow=True)
             self.skipped_steps += 1
             self.global_steps += 1
             return
         multiplier = 1.0 / (self.world * self.scaler.scale)
-        clip = self.config.gradient_clipping
         if clip > 0:
-            squares = torch.tensor([grads.double().square().sum().item()], dtype=torch.float64, device=self._comm_device)
-            self.last_grad_norm = comm.all_reduce(squares).sqrt().item() * multiplier
+            total = torch.tensor([squares], dtype=torch.float64, device=self._comm_device)
+            self.last_grad_norm = comm.all_reduce(total).sqrt().item() * multiplier
             coefficient = clip / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:
                 multiplier *= coefficient
@@ -202,13 +209,13 @@ class Engine:
             self.weights.end_publish()
             self.times.optimizer = time.perf_counter() - start
             self.times.optimizer_detail = dict(vars(self.optimizer.times))
-            grads.zero_()
+            self._zero_grads(grads)
         else:
             start = time.perf_counter()
             self.optimizer.step(grads, multiplier, self.staging)
             self.times.optimizer = time.perf_counter() - start
             self.times.optimizer_detail = dict(vars(self.optimizer.times))
-            grads.zero_()
+            self._zero_grads(grads)
             self._publish()
         self.scaler.update(overflow=False)
         self.global_steps += 1
@@ -249,8 +256,21 @@ class Engine:
         self.weights.publish(self.staging)
         self.times.publish = time.perf_counter() - start
 
-    def _overflow(self, grads: torch.Tensor) -> bool:
-        flag = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], device=self._comm_device)
+    def _grad_summary(self, grads: torch.Tensor | None) -> tuple[float, bool]:
+        """(sum of squares, all finite) of this rank's owned gradient."""
+        if grads is None:
+            return self.optimizer.grad_stats()
+        return grads.double().square().sum().item(), bool(torch.isfinite(grads).all())
+
+    def _zero_grads(self, grads: torch.Tensor | None) -> None:
+        if grads is None:
+            self.optimizer.zero_grads()
+        else:
+            grads.zero_()
+
+    def _overflow(self, finite: bool) -> bool:
+        """True if any rank's gradient is not finite."""
+        flag = torch.tensor([0.0 if finite else 1.0], device=self._comm_device)
         return bool(comm.all_reduce(flag, op="max").item())
 
     @property

@@ -70,6 +70,8 @@ def test_defaults_need_no_warning():
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable at most one"),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is not set"),
         ({"pipeline": {"stages": 2}}, "pipeline: pipeline parallelism is not implemented"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "gradients_on_nvme": True}}},
+         "gradients_on_nvme needs device nvme"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True}}},
          "delayed_update is for stages 1 and 2"),
         ({"scheduler": {"type": "WarmupLR"}}, "torch.optim.lr_scheduler"),

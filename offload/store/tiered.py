@@ -224,10 +224,18 @@ class TieredStore:
         shard = self._shard(key)
         if ShardMeta.of(tensor) != shard.meta:
             raise ValueError(f"shard {key!r} holds {shard.meta}; cannot overwrite it with {ShardMeta.of(tensor)}")
-        source = tensor.detach().contiguous().view(-1)
+        target = self.get_blank(key)
+        target.view(-1).copy_(tensor.detach().contiguous().view(-1))
+        if shard.tier is Tier.NVME:
+            self._start_write(shard)
+
+    def get_blank(self, key: str) -> torch.Tensor:
+        """The shard's tensor, resident, with its old content not read back (its
+        values are undefined): for a caller that will write all of it and then
+        ``release(dirty=True)``."""
+        shard = self._shard(key)
         if shard.tier is Tier.CPU:
-            shard.tensor.view(-1).copy_(source)
-            return
+            return shard.tensor
         if shard.state is State.READING:  # a read-ahead we no longer need: let it land, then reuse its buffer
             self._finish_read(shard)
         elif shard.state is State.WRITING:
@@ -236,8 +244,7 @@ class TieredStore:
             shard.buffer = self._acquire(shard.meta.padded_nbytes, key)
             shard.state = State.RESIDENT
         shard.expect(State.RESIDENT)
-        _view(shard).view(-1).copy_(source)
-        self._start_write(shard)
+        return _view(shard)
 
     def flush(self) -> None:
         """Wait for every write-back; raise the first failure among them."""

@@ -26,6 +26,8 @@ class GradientReducer:
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
         self._owned_on = owned_grads_on  # where the fp32 owned gradient lives (device, pin_memory)
         self._owned: torch.Tensor | None = None
+        # Where reduced parts go instead of the owned gradient, if set: sink(lo, hi, fp32 part).
+        self.sink = None
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -81,7 +83,10 @@ class GradientReducer:
         start = time.perf_counter()
         part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
         comm.reduce_scatter_sum(part, full)
-        self.owned_grads[bucket.owned_range()].add_(part.to(self.owned_grads.device, torch.float32))
+        if self.sink is not None:
+            self.sink(bucket.owned_offset, bucket.owned_offset + bucket.part, part.to("cpu", torch.float32))
+        else:
+            self.owned_grads[bucket.owned_range()].add_(part.to(self.owned_grads.device, torch.float32))
         self.seconds += time.perf_counter() - start
         if self._flat is None:
             self.bucket_bytes -= full.numel() * full.element_size()

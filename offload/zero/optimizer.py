@@ -66,6 +66,9 @@ class ShardOptimizer:
         self.times = StepTimes()
         self.store: TieredStore | None = None
         self._open_group: int | None = None  # the sub-group write_master holds resident
+        self.grads_on_disk = offload.gradients_on_nvme
+        self._open_grad: tuple[int, torch.Tensor] | None = None  # the gradient sub-group add_grad holds
+        self._grad_touched: set[int] = set()  # gradient sub-groups written in this accumulation window
         if self.tier == "none":
             self._master = torch.zeros(numel, device=device)
             self._master.grad = torch.zeros_like(self._master)
@@ -78,7 +81,9 @@ class ShardOptimizer:
         self.read_ahead = max(1, buffers - 2)
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
-            pinned_limit_bytes=buffers * (padded(3 * 4 * largest) + 3 * HEADER_BYTES) + 3 * HEADER_BYTES,
+            pinned_limit_bytes=buffers * (padded(3 * 4 * largest) + 3 * HEADER_BYTES
+                                          + (padded(4 * largest) + 3 * HEADER_BYTES if self.grads_on_disk else 0))
+            + 3 * HEADER_BYTES,
             aio=config.aio,
             pin_memory=None if offload.pin_memory else False,
             pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
@@ -86,6 +91,52 @@ class ShardOptimizer:
         zeros = torch.zeros(3, largest)
         for i, (lo, hi) in enumerate(self.groups):
             self.store.put(self._key(i), zeros[:, : hi - lo], self.tier)
+            if self.grads_on_disk:
+                self.store.put(self._grad_key(i), zeros[0, : hi - lo], self.tier)
+
+    @staticmethod
+    def _grad_key(i: int) -> str:
+        return f"grad{i:05d}"
+
+    def add_grad(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Gradients on disk: owned gradient [lo, hi) += values (fp32, host). The
+        sub-group being added into stays resident until another is needed, and is
+        then written back; its first touch in a window starts from zero unread."""
+        for i, (g_lo, g_hi) in enumerate(self.groups):
+            a, b = max(lo, g_lo), min(hi, g_hi)
+            if a >= b:
+                continue
+            if self._open_grad is None or self._open_grad[0] != i:
+                self.close_grad()
+                key = self._grad_key(i)
+                if i in self._grad_touched:
+                    (buffer,) = self.store.get([key])
+                else:
+                    buffer = self.store.get_blank(key).zero_()
+                    self._grad_touched.add(i)
+                self._open_grad = (i, buffer)
+            self._open_grad[1][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
+
+    def close_grad(self) -> None:
+        if self._open_grad is not None:
+            self.store.release([self._grad_key(self._open_grad[0])], dirty=True)
+            self._open_grad = None
+
+    def grad_stats(self) -> tuple[float, bool]:
+        """Gradients on disk: (sum of squares, all finite) of this window's gradient, one read pass."""
+        self.close_grad()
+        total, finite = 0.0, True
+        for i in sorted(self._grad_touched):
+            (g,) = self.store.get([self._grad_key(i)])
+            total += g.double().square().sum().item()
+            finite = finite and bool(torch.isfinite(g).all())
+            self.store.release([self._grad_key(i)], dirty=False)
+        return total, finite
+
+    def zero_grads(self) -> None:
+        """Gradients on disk: the next window starts from zero (nothing is written now)."""
+        self.close_grad()
+        self._grad_touched.clear()
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set master weights [lo, hi). Call in increasing order of ``lo``; then ``finish_master``."""
@@ -111,8 +162,9 @@ class ShardOptimizer:
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
 
-    def step(self, grads: torch.Tensor, grad_scale: float, out: torch.Tensor | WeightSink) -> None:
-        """One Adam step of the whole shard from ``grads`` (owned, fp32) times
+    def step(self, grads: torch.Tensor | None, grad_scale: float, out: torch.Tensor | WeightSink) -> None:
+        """One Adam step of the whole shard from ``grads`` (owned, fp32; None:
+        the gradient sub-groups on disk, see ``add_grad``) times
         ``grad_scale``. The new weights, in the compute dtype, go to ``out``: a
         tensor of the owned shard's size (the kernel writes it in the same pass),
         or a sink called per sub-group with the weights of [lo, hi)."""
@@ -133,14 +185,20 @@ class ShardOptimizer:
         low_precision = dtype != torch.float32
         for i, (lo, hi) in enumerate(self.groups):
             if self.pipeline_read:
-                self.store.prefetch(keys[i + 1 : i + 1 + self.read_ahead])
+                ahead = range(i + 1, min(len(keys), i + 1 + self.read_ahead))
+                self.store.prefetch([keys[j] for j in ahead])
+                if grads is None:
+                    self.store.prefetch([self._grad_key(j) for j in ahead if j in self._grad_touched])
             start = time.perf_counter()
             (state,) = self.store.get([keys[i]])
+            grad = self._step_grad(i, grads, lo, hi)
             self.times.swap_wait += time.perf_counter() - start
             start = time.perf_counter()
             weights = out[lo:hi] if isinstance(out, torch.Tensor) else torch.empty(hi - lo, dtype=dtype)
-            adam_step(state[0], grads[lo:hi], state[1], state[2], self.hyper, self.step_count,
+            adam_step(state[0], grad, state[1], state[2], self.hyper, self.step_count,
                       grad_scale=grad_scale, out=weights if low_precision else None)
+            if grads is None and i in self._grad_touched:
+                self.store.release([self._grad_key(i)], dirty=False)
             if not low_precision:
                 weights.copy_(state[0])
             self.times.adam += time.perf_counter() - start
@@ -155,6 +213,14 @@ class ShardOptimizer:
                 self.times.write_back_wait += time.perf_counter() - start
         # The last write-backs finish while the next forward runs; a read of
         # a sub-group still being written waits for it (the store's states).
+
+    def _step_grad(self, i: int, grads: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+        if grads is not None:
+            return grads[lo:hi]
+        if i in self._grad_touched:
+            (g,) = self.store.get([self._grad_key(i)])
+            return g
+        return torch.zeros(hi - lo)  # no gradient reached this sub-group in the window
 
     def prefetch(self) -> None:
         """Start reading the first sub-groups of the next step (called during backward,

@@ -110,3 +110,18 @@ def test_fp16_overflow_skips_exactly_that_step_and_lowers_the_scale():
     assert all(torch.equal(states[2][k], states[1][k]) for k in states[0])  # the overflowing step changed nothing
     assert not all(torch.equal(states[3][k], states[2][k]) for k in states[0])  # the next one did
     engine.close()
+
+
+@pytest.mark.parametrize("stage,accumulation", [(2, 1), (2, 4), (3, 1), (3, 4)])
+def test_gradients_on_nvme_change_nothing_but_where_they_live(tmp_path, stage, accumulation):
+    """The owned gradient in swap files gives bitwise the same training as in host memory."""
+    param = "nvme" if stage == 3 else None
+    in_memory = config(stage, "nvme", accumulation, str(tmp_path), param_device=param)
+    on_disk = config(stage, "nvme", accumulation, str(tmp_path), param_device=param,
+                     offload_optimizer={"gradients_on_nvme": True})
+    ref = train_reference(make_model(), 6, 1, accumulation, in_memory)
+    with train_engine(make_model(), 6, accumulation, in_memory) as a, train_engine(make_model(), 6, accumulation, on_disk) as b:
+        assert b.reducer.owned_bytes == 0  # never allocated in host memory
+        sa, sb = a.state_dict(), b.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert max_difference(sb, ref) < TOLERANCE

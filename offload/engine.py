@@ -380,9 +380,9 @@ class MemoryReport(dict):
         return sum(v["bytes"] for (kind, t), v in self.items() if t == tier)
 
     def __str__(self) -> str:
-        lines = [f"{'what':24}{'tier':20}{'current':>14}{'peak':>14}"]
+        lines = [f"{'what':28}{'tier':20}{'current':>14}{'peak':>14}"]
         for (kind, tier), v in self.items():
-            lines.append(f"{kind:24}{tier:20}{_human(v['bytes']):>14}{_human(v['peak_bytes']):>14}")
+            lines.append(f"{kind:28}{tier:20}{_human(v['bytes']):>14}{_human(v['peak_bytes']):>14}")
         return "\n".join(lines)
 
 

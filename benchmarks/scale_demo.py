@@ -1,7 +1,7 @@
 """Train a GPT far larger than this machine's memory: weights, gradients and
 optimizer state on NVMe (ZeRO-Infinity), built under offload.init.
 
-    python benchmarks/scale_demo.py --nvme-path /work/scratch --layers 38 --width 2560 --steps 3
+    python benchmarks/scale_demo.py --nvme-path /work/scratch --layers 41 --width 2560 --steps 3
 
 Reports the parameter count, the training state's size at 16 bytes per
 parameter against this machine's RAM, seconds per step, the bytes each step
@@ -28,12 +28,13 @@ from offload.store import AioSettings
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", required=True)
-    parser.add_argument("--layers", type=int, default=38)
+    parser.add_argument("--layers", type=int, default=41)
     parser.add_argument("--width", type=int, default=2560)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-3 overshoots at this size)")
     args = parser.parse_args()
 
     c = GPTConfig(n_layer=args.layers, n_head=args.width // 128, n_embd=args.width, block_size=args.seq_len)
@@ -42,7 +43,8 @@ def main() -> None:
     print(f"GPT: {params / 1e9:.2f}B parameters; training state at 16 B/param: {16 * params / 2**30:.1f} GiB "
           f"({16 * params / ram:.1f}x this machine's {ram / 2**30:.1f} GiB of RAM)", flush=True)
     aio = {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 1}
-    cfg = {"zero_optimization": {
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
+           "zero_optimization": {
         "stage": 3, "sub_group_size": args.sub_group_size, "stage3_param_persistence_threshold": 100_000,
         "offload_param": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4,
                           "buffer_size": 4 * args.width * args.width},

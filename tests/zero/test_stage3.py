@@ -54,6 +54,7 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
         ref = train_reference(make_model(checkpoint=True), STEPS, 2, 2, cfg)
         with train_engine(make_model(checkpoint=True), STEPS, 2, cfg, rank=rank) as engine:
             results[f"{param_device}-{optimizer_device}"] = max_difference(engine.state_dict(), ref)
+    results["init"] = _meta_built_equals_eager(os.path.join(out_dir, f"nvme{rank}"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
@@ -63,11 +64,28 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+def _meta_built_equals_eager(nvme: str) -> float:
+    """Built under offload.init on this rank of 2: the gathered weights equal a
+    single-process eager build with the same seed (0.0 = identical)."""
+    from offload.models.gpt import GPT, SIZES
+
+    torch.manual_seed(11)
+    eager = GPT(SIZES["tiny"]).state_dict()
+    cfg = config(3, "nvme", 1, nvme, param_device="nvme")
+    torch.manual_seed(11)
+    with offload.init(cfg):
+        model = GPT(SIZES["tiny"])
+    with offload.initialize(model, cfg, init_fn=model.init_module) as engine:
+        state = engine.state_dict()
+    return max((state[k] - eager[k]).abs().max().item() for k in eager)
+
+
 def test_world_size_2_matches_adamw(tmp_path):
     mp.spawn(_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
             results = json.load(f)
+        assert results.pop("init") == 0.0  # offload.init: the same weights whatever the world size
         assert len(results) == len(TIERS)
         for name, difference in results.items():
             assert difference < TOLERANCE, (rank, name, difference)

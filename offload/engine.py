@@ -279,11 +279,9 @@ class Engine:
 
     # -- state and reporting -------------------------------------------------------
 
-    def full_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(key, tensor) for every entry of the model's state dict, in bucket
-        order, trainable parameters from the fp32 master weights gathered from all
-        ranks, one bucket in memory at a time (a collective: iterate on every rank)."""
-        self.synchronize()
+    def _state_entries(self) -> tuple[dict[torch.nn.Parameter, list[str]], list[tuple[str, torch.Tensor]]]:
+        """The module's state dict split into trainable parameters (each with all
+        its keys: a tied weight has several) and everything else, in key order."""
         keys_of: dict[torch.nn.Parameter, list[str]] = {}
         others = []
         for key, value in self.module.state_dict(keep_vars=True).items():
@@ -291,6 +289,14 @@ class Engine:
                 keys_of.setdefault(value, []).append(key)
             else:
                 others.append((key, value))
+        return keys_of, others
+
+    def full_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor) for every entry of the model's state dict, in bucket
+        order, trainable parameters from the fp32 master weights gathered from all
+        ranks, one bucket in memory at a time (a collective: iterate on every rank)."""
+        self.synchronize()
+        keys_of, others = self._state_entries()
         for bucket in self.layout.buckets:
             part = self.optimizer.read_master(bucket.owned_offset, bucket.owned_offset + bucket.part)
             full = torch.empty(bucket.size, device=self._comm_device)
@@ -318,16 +324,10 @@ class Engine:
 
     def _export_plan(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(key, dtype, shape) in the order full_weights yields them."""
-        state = self.module.state_dict(keep_vars=True)
-        by_param: dict[torch.nn.Parameter, list[str]] = {}
-        for key, value in state.items():
-            if isinstance(value, torch.nn.Parameter) and value in self.reducer.slot_of:
-                by_param.setdefault(value, []).append(key)
+        keys_of, others = self._state_entries()
         plan = [(key, dtype, tuple(slot.param.shape)) for bucket in self.layout.buckets
-                for slot in bucket.slots for key in by_param[slot.param]]
-        trainable = {key for keys in by_param.values() for key in keys}
-        plan += [(key, value.dtype, tuple(value.shape)) for key, value in state.items() if key not in trainable]
-        return plan
+                for slot in bucket.slots for key in keys_of[slot.param]]
+        return plan + [(key, value.dtype, tuple(value.shape)) for key, value in others]
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and

@@ -94,6 +94,13 @@ class ShardOptimizer:
             if self.grads_on_disk:
                 self.store.put(self._grad_key(i), zeros[0, : hi - lo], self.tier)
 
+    def _overlaps(self, lo: int, hi: int):
+        """(index, start, a, b) of each sub-group meeting owned range [lo, hi); [a, b) is the overlap."""
+        for i, (g_lo, g_hi) in enumerate(self.groups):
+            a, b = max(lo, g_lo), min(hi, g_hi)
+            if a < b:
+                yield i, g_lo, a, b
+
     @staticmethod
     def _grad_key(i: int) -> str:
         return f"grad{i:05d}"
@@ -102,10 +109,7 @@ class ShardOptimizer:
         """Gradients on disk: owned gradient [lo, hi) += values (fp32, host). The
         sub-group being added into stays resident until another is needed, and is
         then written back; its first touch in a window starts from zero unread."""
-        for i, (g_lo, g_hi) in enumerate(self.groups):
-            a, b = max(lo, g_lo), min(hi, g_hi)
-            if a >= b:
-                continue
+        for i, g_lo, a, b in self._overlaps(lo, hi):
             if self._open_grad is None or self._open_grad[0] != i:
                 self.close_grad()
                 key = self._grad_key(i)
@@ -143,10 +147,7 @@ class ShardOptimizer:
         if self.tier == "none":
             self._master[lo:hi].copy_(values)
             return
-        for i, (g_lo, g_hi) in enumerate(self.groups):
-            a, b = max(lo, g_lo), min(hi, g_hi)
-            if a >= b:
-                continue
+        for i, g_lo, a, b in self._overlaps(lo, hi):
             if self._open_group != i:
                 self.finish_master()
                 self._open_group = i
@@ -239,10 +240,7 @@ class ShardOptimizer:
         if self.tier == "none":
             return self._master[lo:hi].detach().cpu().clone()
         out = torch.empty(hi - lo)
-        for i, (g_lo, g_hi) in enumerate(self.groups):
-            a, b = max(lo, g_lo), min(hi, g_hi)
-            if a >= b:
-                continue
+        for i, g_lo, a, b in self._overlaps(lo, hi):
             (state,) = self.store.get([self._key(i)])
             out[a - lo : b - lo].copy_(state[0, a - g_lo : b - g_lo])
             self.store.release([self._key(i)], dirty=False)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload import checkpoint
 from offload.config import Config
 from offload.safetensors_file import write_safetensors
 from offload.zero import comm
@@ -328,6 +329,20 @@ class Engine:
         plan = [(key, dtype, tuple(slot.param.shape)) for bucket in self.layout.buckets
                 for slot in bucket.slots for key in keys_of[slot.param]]
         return plan + [(key, value.dtype, tuple(value.shape)) for key, value in others]
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Save the full training state (fp32 master weights, Adam moments,
+        counters, loss scale, buffers, ``client_state``: JSON) under
+        ``save_dir/tag`` (default tag ``global_step<N>``), between steps. It
+        appears complete or not at all (Note [checkpoint atomicity]); every rank
+        must call it. Returns the checkpoint directory."""
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        """Restore a checkpoint saved by an engine with the same model, layout and
+        world size (``load_dir`` and ``tag`` as in save; no tag: the one named by
+        ``load_dir/latest``). Returns (checkpoint directory, client_state)."""
+        return checkpoint.load(self, load_dir, tag)
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and

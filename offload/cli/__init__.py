@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import bench_adam, bench_step, bench_swap
+from offload.cli import bench_adam, bench_step, bench_swap, export
 from offload.cli.args import UserError
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_adam.add_parser(benchmarks)
     bench_swap.add_parser(benchmarks)
     bench_step.add_parser(benchmarks)
+    export.add_parser(commands)
     return parser
 
 
@@ -33,3 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError) as exc:
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine, not the arguments: a full disk, a vanished directory
+        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
+        return 1

@@ -37,3 +37,15 @@ class LossScaler:
         if self._clean % self.window == 0:
             self.scale *= 2
             self._budget = self.hysteresis
+
+    def state_dict(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"scale": self.scale, "hysteresis_left": self._budget, "clean_steps": self._clean}
+
+    def load_state_dict(self, state: dict) -> None:
+        """An empty state (saved without fp16) keeps the initial scale."""
+        if not self.enabled or not state:
+            return
+        self.scale = float(state["scale"])
+        self._budget, self._clean = int(state["hysteresis_left"]), int(state["clean_steps"])

@@ -19,6 +19,7 @@ kernel does that in the same pass over memory for bf16/fp16).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -245,6 +246,62 @@ class ShardOptimizer:
             out[a - lo : b - lo].copy_(state[0, a - g_lo : b - g_lo])
             self.store.release([self._key(i)], dirty=False)
         return out
+
+    def state_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, state) per sub-group, in order: ``state`` is [3, hi - lo] fp32
+        on the host (master weights, exp_avg, exp_avg_sq), valid until the next
+        item is drawn. Swapped sub-groups are read ahead as in ``step``."""
+        if self.tier == "none":
+            moments = self._torch_opt.state.get(self._master)
+            for lo, hi in self.groups:
+                state = torch.zeros(3, hi - lo)
+                state[0].copy_(self._master[lo:hi])
+                if moments:  # no step yet: the moments are zero
+                    state[1].copy_(moments["exp_avg"][lo:hi])
+                    state[2].copy_(moments["exp_avg_sq"][lo:hi])
+                yield lo, hi, state
+            return
+        keys = [self._key(i) for i in range(len(self.groups))]
+        for i, (lo, hi) in enumerate(self.groups):
+            self.store.prefetch(keys[i + 1 : i + 1 + self.read_ahead])
+            (state,) = self.store.get([keys[i]])
+            try:
+                yield lo, hi, state
+            finally:
+                self.store.release([keys[i]], dirty=False)
+
+    def load_state(self, fill: Callable[[torch.Tensor], None], step_count: int, out: torch.Tensor | WeightSink) -> None:
+        """Replace the whole state: ``fill(state)`` fills each sub-group's [3, n]
+        (as ``state_chunks`` yields them, in order); each sub-group's master
+        weights, in the compute dtype, go to ``out`` as after a step."""
+        self.step_count = step_count
+        if self.tier == "none":
+            state = torch.zeros(3, self.numel)
+            for lo, hi in self.groups:
+                fill(state[:, lo:hi])
+            self._master.copy_(state[0])
+            self._torch_opt.state.pop(self._master, None)
+            if step_count:
+                self._torch_opt.state[self._master] = {
+                    "step": torch.tensor(float(step_count)),
+                    "exp_avg": state[1].to(self._master.device), "exp_avg_sq": state[2].to(self._master.device)}
+            self._emit(out, 0, self.numel, self._master.detach().cpu())
+            return
+        for i, (lo, hi) in enumerate(self.groups):
+            state = self.store.get_blank(self._key(i))
+            try:
+                fill(state)
+                self._emit(out, lo, hi, state[0])
+            finally:
+                self.store.release([self._key(i)], dirty=True)
+        self.store.flush()
+
+    @staticmethod
+    def _emit(out: torch.Tensor | WeightSink, lo: int, hi: int, master: torch.Tensor) -> None:
+        if isinstance(out, torch.Tensor):
+            out[lo:hi].copy_(master)
+        else:
+            out(lo, hi, master.to(out.dtype, copy=True))  # as in step: a sink gets its own tensor, not a view of the store
 
     def state_bytes(self) -> dict:
         """Optimizer-state bytes per tier, current and peak."""

@@ -1,0 +1,261 @@
+"""Checkpoints: a resumed run is bitwise the uninterrupted one (every stage and
+tier, world sizes 1 and 2); `offload export` of a checkpoint equals the live
+engine's export; a damaged file is refused naming it; a failed or killed save
+leaves every earlier checkpoint loadable."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import offload
+from offload import _native, checkpoint
+from offload.cli import main
+from offload.safetensors_file import read_safetensors
+
+from .harness import TinyLM, batch, config, free_port, init_gloo, make_model
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+
+class WithState(TinyLM):
+    """TinyLM plus what a checkpoint must carry beside the optimizer: a buffer
+    the model updates itself, and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, tokens):
+        self.seen += tokens.shape[0]
+        return super().forward(tokens) * self.frozen.mean()
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return WithState()
+
+
+def run(engine, steps, accumulation=1, rank=0):
+    for step in steps:
+        for micro in range(accumulation):
+            engine.backward(engine(batch(step, micro, rank)))
+            engine.step()
+
+
+CASES = [(1, "none", None), (2, "cpu", None), (2, "nvme", None), (3, "cpu", "none"), (3, "nvme", "nvme")]
+
+
+def case_config(stage, device, param_device, nvme, accumulation=1, **extra):
+    return config(stage, device, accumulation, nvme if "nvme" in (device, param_device) else None,
+                  param_device=param_device, **extra)
+
+
+@pytest.mark.parametrize("stage,device,param_device", CASES)
+def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, stage, device, param_device):
+    cfg = case_config(stage, device, param_device, str(tmp_path), accumulation=2)
+    with offload.initialize(model(), cfg) as engine:
+        run(engine, range(6), 2)
+        expected = engine.state_dict()
+    with offload.initialize(model(), cfg) as engine:
+        run(engine, range(3), 2)
+        path = engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"data_position": 3})
+    assert path == str(tmp_path / "ckpt" / "global_step3")
+    with offload.initialize(model(seed=1), cfg) as engine:  # other initial weights: all must come from the checkpoint
+        directory, client = engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert directory == path and client == {"data_position": 3}
+        assert engine.global_steps == 3 and engine.micro_steps == 6
+        run(engine, range(3, 6), 2)
+        resumed = engine.state_dict()
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(resumed[key], expected[key]), key
+    assert resumed["seen"].item() == 6 * 2 * 3  # the buffer came back too
+
+
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "nvme")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_export_equals_the_live_export(tmp_path, stage, param_device, dtype, capsys):
+    cfg = case_config(stage, "nvme", param_device, str(tmp_path))
+    with offload.initialize(model(), cfg) as engine:
+        run(engine, range(2))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.export(str(tmp_path / "live.safetensors"), dtype=getattr(torch, dtype))
+    out = tmp_path / "from_checkpoint.safetensors"
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", dtype]) == 0
+    assert "global_step2" in capsys.readouterr().out
+    assert out.read_bytes() == (tmp_path / "live.safetensors").read_bytes()
+
+
+def _world2_worker(rank, port, out_dir):
+    init_gloo(rank, 2, port)
+    results = {}
+    for stage, device, param_device in [(2, "nvme", None), (3, "cpu", "nvme")]:
+        nvme = os.path.join(out_dir, f"nvme{rank}")
+        os.makedirs(nvme, exist_ok=True)
+        save_dir = os.path.join(out_dir, f"ckpt{stage}")
+        cfg = case_config(stage, device, param_device, nvme)
+        with offload.initialize(model(), cfg) as engine:
+            run(engine, range(5), rank=rank)
+            expected = engine.state_dict()
+        with offload.initialize(model(), cfg) as engine:
+            run(engine, range(2), rank=rank)
+            engine.save_checkpoint(save_dir)
+            engine.export(os.path.join(out_dir, f"live{stage}.safetensors"))
+        with offload.initialize(model(seed=1), cfg) as engine:
+            engine.load_checkpoint(save_dir)
+            run(engine, range(2, 5), rank=rank)
+            resumed = engine.state_dict()
+        results[stage] = all(torch.equal(resumed[k], expected[k]) for k in expected)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # gloo teardown can abort after all work is done (see test_equivalence)
+
+
+def test_world_size_2_resume_and_export(tmp_path):
+    mp.spawn(_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"2": True, "3": True}
+    for stage in (2, 3):
+        out = tmp_path / f"exported{stage}.safetensors"
+        assert main(["export", str(tmp_path / f"ckpt{stage}"), "--out", str(out)]) == 0
+        assert out.read_bytes() == (tmp_path / f"live{stage}.safetensors").read_bytes()
+        assert sorted(os.listdir(tmp_path / f"ckpt{stage}" / "global_step2")) == [
+            "extra.safetensors", "manifest.json", "rank-00000.bin", "rank-00001.bin"]
+
+
+def saved(tmp_path, tags=("a",), cfg=None):
+    cfg = cfg or case_config(2, "cpu", None, None)
+    engine = offload.initialize(model(), cfg)
+    for i, tag in enumerate(tags):
+        run(engine, [i])
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag)
+    return engine
+
+
+def test_a_damaged_file_is_refused_naming_it(tmp_path, capsys):
+    saved(tmp_path).close()
+    shard = tmp_path / "ckpt" / "a" / "rank-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        with pytest.raises(checkpoint.CheckpointError, match=r"rank-00000.bin: section exp_avg, bytes .* fail their checksum"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x.safetensors")]) == 0  # master is intact
+    data[10] ^= 0x01
+    shard.write_bytes(data)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "y.safetensors")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "section master" in err and "fail their checksum" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "y.safetensors").exists()
+    shard.write_bytes(data[:-4])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or replaced"):
+        checkpoint.export(str(tmp_path / "ckpt"), str(tmp_path / "z.safetensors"), torch.float32)
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    engine = saved(tmp_path, tags=("a",))
+    real_write = checkpoint._SectionWriter.write
+
+    def failing(self, values):
+        if self.position > 0:
+            raise OSError(28, "No space left on device")
+        real_write(self, values)
+
+    monkeypatch.setattr(checkpoint._SectionWriter, "write", failing)
+    run(engine, [1])
+    with pytest.raises(OSError, match="rank-00000.bin: No space left on device"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "b")
+    engine.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".b.partial", "a", "latest"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "a"
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "ckpt"))
+        assert fresh.global_steps == 1
+
+
+_KILLED_SAVE = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import offload
+from offload import checkpoint
+from tests.zero.test_checkpoint import case_config, model, run
+engine = offload.initialize(model(), case_config(2, "nvme", None, {nvme!r}))
+run(engine, [0])
+engine.save_checkpoint({save_dir!r}, "a")
+run(engine, [1])
+real_fsync_dir = checkpoint._fsync_dir
+def die_before_rename(path):
+    real_fsync_dir(path)
+    if path.endswith(".partial"):
+        os.kill(os.getpid(), 9)  # everything written, manifest included; not yet renamed
+checkpoint._fsync_dir = die_before_rename
+engine.save_checkpoint({save_dir!r}, "b")
+"""
+
+
+def test_a_killed_save_loses_nothing_complete_before(tmp_path):
+    save_dir, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    os.mkdir(nvme)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE.format(root=root, nvme=nvme, save_dir=save_dir)],
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(os.listdir(save_dir)) == [".b.partial", "a", "latest"]
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        assert engine.load_checkpoint(save_dir)[0].endswith("/a")
+        assert engine.global_steps == 1
+        run(engine, [1])
+        engine.save_checkpoint(save_dir, "b")  # the leftover partial directory is replaced
+    assert sorted(os.listdir(save_dir)) == ["a", "b", "latest"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "b"
+
+
+def test_wrong_uses_are_refused_with_the_fix(tmp_path):
+    engine = saved(tmp_path, tags=("a",))
+    with pytest.raises(checkpoint.CheckpointError, match="exists; checkpoints are never overwritten"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "a")
+    with pytest.raises(ValueError, match="plain name"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "../x")
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "c", client_state={"x": object()})
+    engine.backward(engine(batch(9, 0, 0)))  # accumulation 1: the boundary, but no step yet
+    with pytest.raises(ValueError, match="middle of gradient accumulation"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "c")
+    engine.close()
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint here"):
+        checkpoint.resolve(str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match="never completed"):
+        checkpoint.resolve(str(tmp_path / "ckpt"), "zzz")
+    torch.manual_seed(0)
+    other = TinyLM(layers=2)
+    with offload.initialize(other, case_config(2, "cpu", None, None)) as engine:
+        with pytest.raises(checkpoint.CheckpointError, match="model or the bucket settings"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+    manifest_path = tmp_path / "ckpt" / "a" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["world_size"] = 2
+    manifest_path.write_text(json.dumps(manifest))
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        with pytest.raises(checkpoint.CheckpointError, match="saved by 2 ranks, loading on 1"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_fp16_loss_scale_survives(tmp_path):
+    cfg = case_config(2, "cpu", None, None, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
+    engine = offload.initialize(model(), cfg)
+    run(engine, range(3))
+    scale = engine.scaler.scale
+    assert scale != 2**8  # the window grew it
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+    with offload.initialize(model(), cfg) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "ckpt"))
+        assert fresh.scaler.scale == scale and fresh.scaler.state_dict() == engine.scaler.state_dict()

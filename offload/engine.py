@@ -397,11 +397,11 @@ class MemoryReport(dict):
     def __str__(self) -> str:
         lines = [f"{'what':28}{'tier':20}{'current':>14}{'peak':>14}"]
         for (kind, tier), v in self.items():
-            lines.append(f"{kind:28}{tier:20}{_human(v['bytes']):>14}{_human(v['peak_bytes']):>14}")
+            lines.append(f"{kind:28}{tier:20}{human_bytes(v['bytes']):>14}{human_bytes(v['peak_bytes']):>14}")
         return "\n".join(lines)
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -10,13 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import bench_adam, bench_step, bench_swap, export
+from offload.cli import bench_adam, bench_step, bench_swap, export, train
 from offload.cli.args import UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload", description="ZeRO-Offload / ZeRO-Infinity training for PyTorch.")
+    parser = _Parser(prog="offload", description="ZeRO-Offload / ZeRO-Infinity training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train.add_parser(commands)
     bench = commands.add_parser("bench", help="measure this machine: the CPU Adam, disks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     bench_adam.add_parser(benchmarks)

@@ -36,6 +36,7 @@ class GPTConfig:
 SIZES = {
     "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
     "small": GPTConfig(n_layer=4, n_head=4, n_embd=192, block_size=128),
+    "5M": GPTConfig(n_layer=6, n_head=8, n_embd=256, block_size=128),
     "25M": GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=128),
     "85M": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256),
 }

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def world() -> tuple[int, int]:
     """(rank, world size) of the default group, or (0, 1) without one."""
@@ -23,7 +27,7 @@ def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor) -> None:
     if world()[1] == 1:
         out.copy_(full)
     else:
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM)
+        _reduce_scatter(out, full, op=dist.ReduceOp.SUM)
 
 
 def all_gather(full: torch.Tensor, part: torch.Tensor) -> None:
@@ -31,7 +35,7 @@ def all_gather(full: torch.Tensor, part: torch.Tensor) -> None:
     if world()[1] == 1:
         full.copy_(part)
     else:
-        dist.all_gather_into_tensor(full, part)
+        _all_gather(full, part)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

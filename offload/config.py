@@ -190,7 +190,7 @@ TUNING_KEYS = {
 # DeepSpeed keys whose meaning this engine does not implement: errors that say so.
 REFUSED_KEYS = {
     "": {"pipeline": "pipeline parallelism is not implemented", "tensor_parallel": "tensor parallelism is not implemented",
-         "scheduler": "DeepSpeed LR schedulers are not implemented; drive engine.optimizer with a torch.optim.lr_scheduler",
+         "scheduler": "DeepSpeed LR schedulers are not implemented; set engine.lr before each step (e.g. from your own warm-up/decay function)",
          "amp": "apex AMP is not supported; use bf16 or fp16", "sparse_attention": "sparse attention is not implemented",
          "moe": "mixture-of-experts is not implemented", "activation_checkpointing": "use torch.utils.checkpoint in the model",
          "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",

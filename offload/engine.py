@@ -246,6 +246,16 @@ class Engine:
         self.times.optimizer_detail = dict(vars(self.optimizer.times))
         self._publish()
 
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step: set it each step to
+        schedule it (warm-up, decay), as a DeepSpeed scheduler would."""
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.lr = value
+
     def synchronize(self) -> None:
         """Apply a delayed update still in flight and wait for write-backs, so the
         model holds the latest weights and every failure has been raised."""
@@ -343,6 +353,15 @@ class Engine:
         world size (``load_dir`` and ``tag`` as in save; no tag: the one named by
         ``load_dir/latest``). Returns (checkpoint directory, client_state)."""
         return checkpoint.load(self, load_dir, tag)
+
+    def disk_traffic(self) -> tuple[int, int]:
+        """Bytes read and written so far by this rank's swap files (optimizer state, gradients, weights)."""
+        read = written = 0
+        for store in (self.optimizer.store, getattr(self.weights, "store", None)):
+            if store is not None and store.engine is not None:
+                io = store.stats()["io"]
+                read, written = read + io["bytes_read"], written + io["bytes_written"]
+        return read, written
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and

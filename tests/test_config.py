@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from offload.config import Config, ConfigError, reference
+from offload.config import REFUSED_KEYS, TUNING_KEYS, Config, ConfigError, reference
 
 DEEPSPEED_FILE = {
     "train_batch_size": 32,
@@ -74,7 +74,7 @@ def test_defaults_need_no_warning():
          "gradients_on_nvme needs device nvme"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True}}},
          "delayed_update is for stages 1 and 2"),
-        ({"scheduler": {"type": "WarmupLR"}}, "torch.optim.lr_scheduler"),
+        ({"scheduler": {"type": "WarmupLR"}}, "set engine.lr before each step"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "stage 3"),
         ({"aio": {"block_size": 1000}}, "aio.block_size must be a positive multiple of 4096"),
         ({"aio": {"queue_dpeth": 8}}, "unknown key"),
@@ -105,3 +105,10 @@ def test_readme_documents_every_key():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     missing = [key for key, _, _ in reference() if f"`{key}`" not in readme]
     assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_the_readme_lists_every_refused_and_ignored_key():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()):
+        for key in keys:
+            assert f"`{section + '.' if section else ''}{key}`" in readme, key

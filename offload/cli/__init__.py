@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import bench_adam, bench_step, bench_swap, export, train
+from offload.cli import bench_adam, bench_step, bench_swap, estimate, export, plan, train
 from offload.cli.args import UserError
 
 
@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offload", description="ZeRO-Offload / ZeRO-Infinity training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(commands)
+    estimate.add_parser(commands)
+    plan.add_parser(commands)
     bench = commands.add_parser("bench", help="measure this machine: the CPU Adam, disks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     bench_adam.add_parser(benchmarks)

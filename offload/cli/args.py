@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
+import os
+
+from offload.models.gpt import SIZES, GPTConfig
 
 
 class UserError(Exception):
@@ -34,3 +39,45 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+               "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """Bytes: 80GiB and 80G are binary, 80GB is decimal; a bare number is bytes."""
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number):]
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 512G or 2TB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
+    return int(value)
+
+
+def gpt_config(choice: str) -> GPTConfig:
+    """A bundled GPT size by name, or a model-config JSON file."""
+    if choice in SIZES:
+        return SIZES[choice]
+    if not os.path.isfile(choice):
+        raise UserError(f"model {choice!r} is neither a bundled size ({', '.join(SIZES)}) nor a JSON file")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    try:
+        with open(choice) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"model {choice}: not valid JSON ({exc})") from None
+    unknown = set(values) - fields if isinstance(values, dict) else {"(not an object)"}
+    if unknown:
+        raise UserError(f"model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
+    if not all(isinstance(v, int) and v >= 1 for v in values.values()):
+        raise UserError(f"model {choice}: every value must be a whole number >= 1")
+    c = GPTConfig(**values)
+    if c.n_embd % c.n_head:
+        raise UserError(f"model {choice}: n_embd {c.n_embd} must be a multiple of n_head {c.n_head}")
+    return c

@@ -7,6 +7,8 @@ directory that is removed afterwards. ``--config`` takes any engine config
 (``configs/`` has ready ones); the options below override its batch size and
 NVMe paths.
 
+The learning rate warms up linearly over the first tenth of the steps, then
+decays along a cosine to a tenth of the config's ``optimizer.params.lr``.
 The progress bar shows the loss, tokens/s, the step time split into compute
 (forward and backward), optimizer (CPU Adam), swap (waiting for the disk) and
 the rest, and the bytes held per tier. At the end, a summary JSON and a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -29,7 +32,7 @@ import time
 import torch
 
 import offload
-from offload.cli.args import UserError, positive_int
+from offload.cli.args import UserError, gpt_config, positive_int
 from offload.cli.progress import Progress
 from offload.data import ByteBatches, stdlib_corpus
 from offload.engine import human_bytes
@@ -56,7 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_config = _model_config(args.model)
+    model_config = gpt_config(args.model)
     seq_len = args.seq_len or model_config.block_size
     if seq_len > model_config.block_size:
         raise UserError(f"--seq-len {seq_len} exceeds the model's block_size {model_config.block_size}; lower it")
@@ -87,28 +90,6 @@ def _init_distributed() -> None:
         torch.distributed.init_process_group("nccl")
     else:
         torch.distributed.init_process_group("gloo")
-
-
-def _model_config(choice: str) -> GPTConfig:
-    if choice in SIZES:
-        return SIZES[choice]
-    if not os.path.isfile(choice):
-        raise UserError(f"--model {choice!r} is neither a bundled size ({', '.join(SIZES)}) nor a JSON file")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    try:
-        with open(choice) as f:
-            values = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--model {choice}: not valid JSON ({exc})") from None
-    unknown = set(values) - fields if isinstance(values, dict) else {"(not an object)"}
-    if unknown:
-        raise UserError(f"--model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
-    if not all(isinstance(v, int) and v >= 1 for v in values.values()):
-        raise UserError(f"--model {choice}: every value must be a whole number >= 1")
-    c = GPTConfig(**values)
-    if c.n_embd % c.n_head:
-        raise UserError(f"--model {choice}: n_embd {c.n_embd} must be a multiple of n_head {c.n_head}")
-    return c
 
 
 def default_config(nvme_path: str) -> dict:
@@ -168,8 +149,9 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     try:
         eval_start = _evaluate(engine, evals)
         for step in range(args.steps):
+            engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
             start = time.perf_counter()
-            read0, written0 = _disk_traffic(engine)
+            read0, written0 = engine.disk_traffic()
             compute, loss_sum = 0.0, 0.0
             for micro in range(accumulation):
                 t0 = time.perf_counter()
@@ -180,7 +162,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             engine.step()
             wall = time.perf_counter() - start
             detail = engine.times.optimizer_detail
-            read1, written1 = _disk_traffic(engine)
+            read1, written1 = engine.disk_traffic()
             mean_loss = comm.all_reduce(torch.tensor([loss_sum / accumulation], dtype=torch.float64)).item() / world
             row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
                    "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
@@ -202,6 +184,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "world_size": world, "steps": args.steps, "seq_len": data.seq_len, "micro_batch": data.batch_size,
         "accumulation": accumulation, "tokens_per_step": tokens_per_step, "seed": args.seed,
         "config": dataclasses.asdict(config), "losses": losses,
+        "lr_schedule": "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "tokens_per_s": tokens_per_step / statistics.median(r["wall"] for r in measured),
         "seconds_per_step": {k: statistics.median(r[k] for r in measured)
@@ -213,19 +196,18 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     }
 
 
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first tenth of the steps, then cosine decay to a tenth of the peak."""
+    warmup = steps // 10
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def _evaluate(engine, batches: list[torch.Tensor]) -> float:
     with torch.no_grad():
         return statistics.fmean(engine(b.to(engine.device)).item() for b in batches)
-
-
-def _disk_traffic(engine) -> tuple[int, int]:
-    """Bytes read and written so far by the engine's swap files (optimizer and weights)."""
-    read = written = 0
-    for store in (engine.optimizer.store, getattr(engine.weights, "store", None)):
-        if store is not None and store.engine is not None:
-            io = store.stats()["io"]
-            read, written = read + io["bytes_read"], written + io["bytes_written"]
-    return read, written
 
 
 def _tier_totals(report, which: str = "bytes") -> dict[str, int]:

@@ -18,6 +18,7 @@ kernel does that in the same pass over memory for bf16/fp16).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -95,6 +96,18 @@ class ShardOptimizer:
             if self.grads_on_disk:
                 self.store.put(self._grad_key(i), zeros[0, : hi - lo], self.tier)
 
+    @property
+    def lr(self) -> float:
+        return self.hyper.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        """Takes effect from the next step; the Adam state is unaffected."""
+        self.hyper = dataclasses.replace(self.hyper, lr=float(value))  # validates
+        if self.tier == "none":
+            for group in self._torch_opt.param_groups:
+                group["lr"] = float(value)
+
     def _overlaps(self, lo: int, hi: int):
         """(index, start, a, b) of each sub-group meeting owned range [lo, hi); [a, b) is the overlap."""
         for i, (g_lo, g_hi) in enumerate(self.groups):
@@ -109,8 +122,14 @@ class ShardOptimizer:
     def add_grad(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Gradients on disk: owned gradient [lo, hi) += values (fp32, host). The
         sub-group being added into stays resident until another is needed, and is
-        then written back; its first touch in a window starts from zero unread."""
-        for i, g_lo, a, b in self._overlaps(lo, hi):
+        then written back; its first touch in a window starts from zero unread.
+        Gradients arrive in backward order, from high offsets to low: a range
+        across a sub-group boundary is added from its top down, so the lower
+        sub-group stays open for the next range, and each sub-group is written
+        once per backward instead of bouncing between two."""
+        open_group = None if self._open_grad is None else self._open_grad[0]
+        overlaps = sorted(self._overlaps(lo, hi), key=lambda o: (o[0] != open_group, -o[0]))
+        for i, g_lo, a, b in overlaps:
             if self._open_grad is None or self._open_grad[0] != i:
                 self.close_grad()
                 key = self._grad_key(i)
@@ -176,13 +195,11 @@ class ShardOptimizer:
             start = time.perf_counter()
             self._master.grad.copy_(grads).mul_(grad_scale)
             self._torch_opt.step()
-            if isinstance(out, torch.Tensor):
-                out.copy_(self._master)
-            else:
-                out(0, self.numel, self._master.detach())
+            self._emit(out, 0, self.numel, self._master.detach())
             self.times.adam = time.perf_counter() - start
             return
         keys = [self._key(i) for i in range(len(self.groups))]
+        hyper = self.hyper  # one learning rate for the whole step, even if set meanwhile (delayed update)
         dtype = out.dtype
         low_precision = dtype != torch.float32
         for i, (lo, hi) in enumerate(self.groups):
@@ -197,7 +214,7 @@ class ShardOptimizer:
             self.times.swap_wait += time.perf_counter() - start
             start = time.perf_counter()
             weights = out[lo:hi] if isinstance(out, torch.Tensor) else torch.empty(hi - lo, dtype=dtype)
-            adam_step(state[0], grad, state[1], state[2], self.hyper, self.step_count,
+            adam_step(state[0], grad, state[1], state[2], hyper, self.step_count,
                       grad_scale=grad_scale, out=weights if low_precision else None)
             if grads is None and i in self._grad_touched:
                 self.store.release([self._grad_key(i)], dirty=False)
@@ -298,6 +315,7 @@ class ShardOptimizer:
 
     @staticmethod
     def _emit(out: torch.Tensor | WeightSink, lo: int, hi: int, master: torch.Tensor) -> None:
+        """New weights [lo, hi) to ``out``, in its dtype."""
         if isinstance(out, torch.Tensor):
             out[lo:hi].copy_(master)
         else:
@@ -306,7 +324,7 @@ class ShardOptimizer:
     def state_bytes(self) -> dict:
         """Optimizer-state bytes per tier, current and peak."""
         if self.tier == "none":
-            n = 3 * 4 * self.numel
+            n = 4 * 4 * self.numel  # torch's AdamW: master weights, their gradient copy, m, v
             return {"device": {"bytes": n, "peak_bytes": n}}
         stats = self.store.stats()
         return {"cpu": stats["cpu"], "nvme": stats["nvme"], "pinned": stats["pinned"]}

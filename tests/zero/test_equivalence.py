@@ -125,3 +125,31 @@ def test_gradients_on_nvme_change_nothing_but_where_they_live(tmp_path, stage, a
         sa, sb = a.state_dict(), b.state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         assert max_difference(sb, ref) < TOLERANCE
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(2, "none", None), (2, "nvme", None), (3, "cpu", "cpu")])
+def test_a_learning_rate_schedule_matches_torch(tmp_path, stage, device, param_device):
+    """engine.lr set before each step acts like a torch scheduler on AdamW's param groups."""
+    cfg = config(stage, device, 1, str(tmp_path) if device == "nvme" else None, param_device=param_device)
+    schedule = [3e-3 * min(1.0, (step + 1) / 3) * (0.5 if step >= 6 else 1.0) for step in range(STEPS // 2)]
+    ref = make_model()
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                            weight_decay=p["weight_decay"], foreach=False)
+    import offload
+
+    with offload.initialize(make_model(), cfg) as engine:
+        for step, lr in enumerate(schedule):
+            opt.zero_grad()
+            ref(batch(step, 0, 0)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            engine.lr = lr
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.step()
+        assert engine.lr == schedule[-1]
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+    with pytest.raises(ValueError, match="lr must be finite"):
+        engine.lr = float("nan")

@@ -1,0 +1,100 @@
+"""``offload estimate``: memory per tier and traffic per step, for every setup.
+
+For a model (a parameter count, or a model-config JSON for exact shapes) on
+N GPUs: first the ZeRO paper's model-state bytes per GPU for stages 1-3, then,
+for every stage x optimizer tier x weight tier this engine supports, the bytes
+per GPU (per rank), CPU and NVMe (per node), with the engine's buffers sized
+from --config, whether that fits the given memory, and the bytes moved per
+step between host and GPU and to the disk. Activations and the framework's
+own memory are not included: leave headroom for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from offload import Config
+from offload.cli.args import UserError, byte_size, count, gpt_config, positive_int
+from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("estimate", help="memory per tier and traffic per step for every ZeRO/offload setup",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--gpus", type=positive_int, default=1, help="data-parallel ranks (GPUs) in all (default 1)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--gpu-mem", type=byte_size, default=None, help="memory per GPU, e.g. 80GiB")
+    p.add_argument("--cpu-mem", type=byte_size, default=None, help="host memory per node, e.g. 512GiB")
+    p.add_argument("--nvme-free", type=byte_size, default=None, help="free NVMe space per node, e.g. 2TiB")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=None, help="only this stage")
+    p.add_argument("--config", default=None, help="engine config for dtype and buffer sizes (default: bf16, defaults)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=count, help="parameter count, e.g. 13B")
+    model.add_argument("--model-config", help="GPT model-config JSON (n_layer, n_head, n_embd, block_size, vocab_size), "
+                       "or a bundled size name")
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    if args.params is not None:
+        return ModelShape.from_count(args.params)
+    return ModelShape.from_gpt(gpt_config(args.model_config))
+
+
+def load_config(path: str | None) -> Config:
+    if path is None:
+        return Config.load({"bf16": {"enabled": True}})
+    try:
+        return Config.load(path)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus % args.nodes:
+        raise UserError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the same GPUs per node")
+    shape, config = model_shape(args), load_config(args.config)
+    rows = []
+    for setup in all_setups(args.stage):
+        e = estimate(shape, setup, config, args.gpus, args.nodes)
+        check_fits(e, args.gpu_mem, args.cpu_mem, args.nvme_free)
+        rows.append(e)
+    paper = zero_model_states(shape.params, args.gpus)
+    if args.json:
+        print(json.dumps({"params": shape.params, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
+                          "compute_dtype": config.compute_dtype_name,
+                          "limits": {"gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "nvme_free": args.nvme_free},
+                          "zero_model_states_per_gpu": paper, "setups": [e.to_json() for e in rows]}, indent=1))
+    else:
+        print(report(shape, args, config, paper, rows))
+    return 0
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
+
+
+def report(shape: ModelShape, args, config: Config, paper: dict, rows: list) -> str:
+    lines = [f"offload estimate: {shape.params / 1e9:.3g}B parameters ({shape.source}), {args.gpus} GPU(s) on "
+             f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
+             f"accumulation {config.gradient_accumulation_steps}", "",
+             "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
+             + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()), ""]
+    header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
+    lines += [header, "-" * len(header)]
+    for e in rows:
+        short = [t for t in TIERS if not e.fits[t]]
+        fits = "yes" if not short else "no: " + ",".join({"device": "GPU", "host": "CPU", "nvme": "NVMe"}[t] for t in short)
+        if all(limit is None for limit in (args.gpu_mem, args.cpu_mem, args.nvme_free)):
+            fits = "-"
+        lines.append(f"{e.setup.name:36}{gb(e.rank_total('device')):>11}{gb(e.node['host']):>11}{gb(e.node['nvme']):>11}  "
+                     f"{fits:18}{gb(e.pcie_bytes_per_step):>11}{gb(e.disk_read_per_step):>13}{gb(e.disk_written_per_step):>13}")
+    lines += ["", "GB = 10^9 bytes. GPU/rank includes this engine's buffers (gradient buckets, gathered weights); "
+              "activations are not included. PCIe is per rank, disk per node."]
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""``offload plan``: measure this machine and write a config for a model size.
+
+Measures the GPU memory (if there is a GPU), the available RAM, and, with
+--nvme-path, the free space there and its swap speed (a short store
+read/write, as ``offload bench swap`` does). Then it walks the setups from
+the fastest (everything on the GPU) to the most offloaded (Infinity: weights,
+optimizer and gradients on NVMe) and takes the first whose ``offload
+estimate`` fits with headroom, writes it as a config, and says why in a few lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from offload import Config
+from offload.cli import bench_swap
+from offload.cli.args import UserError, byte_size, positive_int
+from offload.cli.estimate import add_model_arguments, model_shape
+from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
+from offload.store import AioSettings
+
+# Fraction of each tier a plan may fill: activations, the allocator and the
+# rest of the process need the remainder.
+HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
+SUB_GROUPS = (100_000_000, 25_000_000, 5_000_000)  # smaller sub-groups shrink the pinned pool
+LIVE = (1_000_000_000, 100_000_000)  # stage3_max_live_parameters: fewer gathered weights when memory is short
+
+# From the least to the most data moved per step: (stage, optimizer, weights, gradients on nvme).
+LADDER = [
+    (2, "none", "none", False), (2, "cpu", "none", False), (3, "cpu", "none", False), (3, "cpu", "cpu", False),
+    (2, "nvme", "none", False), (3, "nvme", "none", False), (3, "nvme", "cpu", False), (3, "nvme", "nvme", False),
+    (3, "nvme", "nvme", True),
+]
+
+
+@dataclass
+class Machine:
+    gpus: int
+    gpu_mem: int | None  # per GPU; None: no GPU, the accelerator is the CPU
+    cpu_mem: int  # available now
+    nvme_free: int | None  # None: no --nvme-path
+    read_gbps: float | None = None
+    write_gbps: float | None = None
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("plan", help="measure this machine and write a recommended config for a model size",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--nvme-path", default=None, help="directory on the NVMe disk to consider (and measure)")
+    p.add_argument("--gpus", type=positive_int, default=None, help="ranks on this node (default: the GPUs present, else 1)")
+    p.add_argument("--bench-size", type=byte_size, default=256 << 20, help="bytes for the swap measurement (default 256MiB)")
+    p.add_argument("--out", default="offload_config.json", help="where to write the config (default offload_config.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) -> Machine:
+    cuda = torch.cuda.is_available()
+    count = gpus or (torch.cuda.device_count() if cuda else 1)
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    machine = Machine(count, gpu_mem, psutil.virtual_memory().available, None)
+    if nvme_path is not None:
+        if not os.path.isdir(nvme_path):
+            raise UserError(f"--nvme-path {nvme_path!r} is not a directory; create it first")
+        machine.nvme_free = shutil.disk_usage(nvme_path).free
+        with tempfile.TemporaryDirectory(prefix="offload-plan-", dir=nvme_path) as scratch:
+            speed = bench_swap.measure(scratch, min(bench_size, machine.nvme_free // 4), AioSettings())
+        machine.read_gbps, machine.write_gbps = speed["read_gbps"], speed["write_gbps"]
+    return machine
+
+
+def config_for(step: tuple, sub_group: int, live: int, nvme_path: str | None, bf16: bool) -> dict:
+    stage, optimizer, weights, grads_on_nvme = step
+    offload_optimizer = {"device": optimizer}
+    if optimizer == "nvme":
+        offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, gradients_on_nvme=grads_on_nvme)
+    zero = {"stage": stage, "sub_group_size": sub_group, "offload_optimizer": offload_optimizer}
+    if stage == 3:
+        zero["stage3_max_live_parameters"] = live
+        zero["offload_param"] = {"device": weights, **({"nvme_path": nvme_path} if weights == "nvme" else {})}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
+            "zero_optimization": zero}
+
+
+def fits(e: Estimate, machine: Machine) -> bool:
+    """Within headroom; without a GPU the accelerator's memory is the host's."""
+    usable = {t: None if v is None else HEADROOM[t] * v for t, v in
+              (("device", machine.gpu_mem), ("host", machine.cpu_mem), ("nvme", machine.nvme_free))}
+    if machine.gpu_mem is None:
+        per_node_device = e.rank_total("device") * machine.gpus
+        if per_node_device + e.node["host"] > usable["host"]:
+            return False
+        usable["device"] = None
+    check_fits(e, usable["device"], usable["host"], usable["nvme"] if machine.nvme_free is not None else 0)
+    return all(e.fits.values())
+
+
+def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[dict, Estimate] | None:
+    """The first setup of LADDER (with the largest sub-group) that fits, as (config, estimate)."""
+    bf16 = machine.gpu_mem is not None
+    owned = max(1, math.ceil(shape.params / machine.gpus))
+    for step in LADDER:
+        if "nvme" in step[1:3] and machine.nvme_free is None:
+            continue
+        sub_groups = SUB_GROUPS if step[1] == "nvme" else SUB_GROUPS[:1]
+        for live, sub_group in itertools.product(LIVE if step[0] == 3 else LIVE[:1], sub_groups):
+            raw = config_for(step, min(sub_group, owned), live, nvme_path, bf16)
+            e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus)
+            if fits(e, machine):
+                return raw, e
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = model_shape(args)
+    machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
+    nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
+    chosen = choose(shape, machine, nvme_path)
+    if chosen is None:
+        need = estimate(shape, Setup(3, "nvme", "nvme"), Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], LIVE[-1], nvme_path, False)),
+                        machine.gpus)
+        where = "" if args.nvme_path else "; pass --nvme-path DIR to consider a disk"
+        print(f"offload plan: no setup fits {shape.params / 1e9:.3g}B parameters here: even with everything on NVMe it "
+              f"needs {need.node['host'] / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk "
+              f"({machine.cpu_mem / 1e9:.1f} GB RAM available{where})")
+        return 1
+    raw, e = chosen
+    with open(args.out, "w") as f:
+        json.dump(raw, f, indent=2)
+        f.write("\n")
+    why = explain(shape, machine, e)
+    if args.json:
+        print(json.dumps({"config": raw, "config_path": args.out, "why": why, "machine": machine.__dict__,
+                          "estimate": e.to_json()}, indent=1))
+    else:
+        print("\n".join(why + [f"wrote {args.out}; try it: offload train --config {args.out}"]))
+    return 0
+
+
+def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
+    total = 16 * shape.params
+    accelerator = f"{machine.gpus} GPU(s) of {machine.gpu_mem / 1e9:.0f} GB" if machine.gpu_mem else "no GPU (the CPU computes)"
+    disk = ""
+    if machine.nvme_free is not None:
+        disk = (f", {machine.nvme_free / 1e9:.0f} GB free on NVMe reading {machine.read_gbps:.2f} and writing "
+                f"{machine.write_gbps:.2f} GB/s")
+    lines = [f"{shape.params / 1e9:.3g}B parameters need {total / 1e9:.1f} GB of training state at 16 bytes each; "
+             f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
+             f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
+             f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator; per node {e.node['host'] / 1e9:.2f} GB host, "
+             f"{e.node['nvme'] / 1e9:.2f} GB NVMe."]
+    if e.disk_read_per_step and machine.read_gbps:
+        seconds = e.disk_read_per_step / (machine.read_gbps * 1e9) + e.disk_written_per_step / (machine.write_gbps * 1e9)
+        lines.append(f"each step moves {e.disk_read_per_step / 1e9:.1f} GB from and {e.disk_written_per_step / 1e9:.1f} GB "
+                     f"to the disk: at least {seconds:.1f} s per step at the measured speed (offload estimate has the rest).")
+    return lines

@@ -1,0 +1,180 @@
+"""Where training state lives and what moves each step: the accounting behind
+``offload estimate`` and ``offload plan``.
+
+Two levels:
+  - ``zero_model_states``: the ZeRO paper's formulas (Rajbhandari et al. 2020,
+    section 5): per GPU, 16 bytes per parameter for mixed-precision Adam, of
+    which stage 1 divides the 12 optimizer bytes by N, stage 2 also the 2
+    gradient bytes, stage 3 all 16;
+  - ``estimate``: what this engine holds per rank in each tier for a setup
+    (stage, optimizer tier, weight tier) and a config, buffers included, with
+    the same terms ``Engine.memory_report`` measures, and the bytes moved per
+    step between host and accelerator and to the disk.
+
+Note [estimate terms]
+Per rank, with P parameters, N ranks, n = P / N owned elements, d compute
+bytes (2 for bf16/fp16, 4 for fp32), a accumulation steps:
+  weights        stages 1-2: d*P on the accelerator (replicated);
+                 stage 3: d*n in the weight tier, plus gathered weights on the
+                 accelerator: stage3_max_live_parameters plus one module (the
+                 largest parameter stands for it)
+  gradients      stage 1: d*P flat buffer; stage 2: one bucket of
+                 reduce_bucket_size (a weight shared by distant layers can keep
+                 a second one open); stage 3: one parameter; then the
+                 fp32 owned gradient 4*n (accelerator when the optimizer is
+                 there, host when offloaded, disk with gradients_on_nvme)
+  staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
+  optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
+                 gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus a
+                 pinned pool of buffer_count sub-groups of 12 bytes per element
+  weight pool    stage 3 weights on nvme: buffer_count parts of the largest
+                 parameter, host
+Traffic per step and rank: the owned gradient leaves the accelerator once per
+micro-batch (stage 1: once per step) in the compute dtype; new weights go up
+once; stage 3 weights in cpu/nvme go up twice per micro-batch (forward and
+backward gathers); the optimizer on nvme reads and writes 12*n, gradients on
+nvme 4*n each way per micro-batch, weights on nvme are read twice per
+micro-batch and written once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+
+from offload.config import Config
+from offload.models.gpt import GPTConfig
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest: int  # elements of the largest parameter (sizes stage 3's per-parameter buffers)
+    source: str  # how the shape was obtained, for the report
+
+    @staticmethod
+    def from_gpt(c: GPTConfig) -> ModelShape:
+        return ModelShape(c.params(), max(c.vocab_size * c.n_embd, 4 * c.n_embd * c.n_embd), "model config")
+
+    @staticmethod
+    def from_count(params: int) -> ModelShape:
+        """Only the count is known: assume GPT-like layers with hidden size 128 x
+        layers (GPT-3's aspect ratio); the shape only sizes per-parameter buffers."""
+        layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+        hidden = 128 * layers
+        return ModelShape(params, 4 * hidden * hidden, f"assumed GPT-like, hidden {hidden}")
+
+
+def zero_model_states(params: int, gpus: int, optimizer_bytes: int = 12, weight_bytes: int = 2) -> dict[str, float]:
+    """Bytes per GPU of model states, as in the ZeRO paper (K = optimizer_bytes)."""
+    w = g = weight_bytes * params
+    k = optimizer_bytes * params
+    return {"baseline": w + g + k, "stage1": w + g + k / gpus, "stage2": w + (g + k) / gpus,
+            "stage3": (w + g + k) / gpus}
+
+
+@dataclass(frozen=True)
+class Setup:
+    stage: int
+    optimizer: str  # none | cpu | nvme
+    weights: str = "none"  # stage 3: none | cpu | nvme
+
+    @property
+    def name(self) -> str:
+        text = f"stage {self.stage}, optimizer {self.optimizer}"
+        return text + (f", weights {self.weights}" if self.stage == 3 else "")
+
+
+def all_setups(stage: int | None = None) -> list[Setup]:
+    tiers = ("none", "cpu", "nvme")
+    setups = [Setup(s, o) for s in (1, 2) for o in tiers]
+    setups += [Setup(3, o, w) for w, o in itertools.product(tiers, tiers)]
+    return [s for s in setups if stage is None or s.stage == stage]
+
+
+@dataclass
+class Estimate:
+    setup: Setup
+    per_rank: dict[str, dict[str, float]]  # tier -> what -> bytes
+    node: dict[str, float]  # tier -> bytes for all ranks of one node
+    pcie_bytes_per_step: float  # per rank, host <-> accelerator
+    disk_read_per_step: float  # per node
+    disk_written_per_step: float
+    fits: dict[str, bool] = field(default_factory=dict)
+
+    def rank_total(self, tier: str) -> float:
+        return sum(self.per_rank[tier].values())
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["setup"] = {**asdict(self.setup), "name": self.setup.name}
+        out["per_rank_total"] = {t: self.rank_total(t) for t in TIERS}
+        return out
+
+
+def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1) -> Estimate:
+    """Note [estimate terms] for one setup; ``config`` gives the dtype and buffer sizes."""
+    zero = config.zero_optimization
+    d = 4 if config.compute_dtype_name == "float32" else 2
+    a = config.gradient_accumulation_steps
+    P = shape.params
+    n = math.ceil(P / gpus)
+    part = math.ceil(shape.largest / gpus)
+    sub_group = min(zero.sub_group_size, n)
+    grads_on_disk = zero.offload_optimizer.gradients_on_nvme and setup.optimizer == "nvme"
+    tiers: dict[str, dict[str, float]] = {t: {} for t in TIERS}
+    optimizer_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.optimizer]
+    grad_tier = "nvme" if grads_on_disk else "device" if setup.optimizer == "none" else "host"
+
+    if setup.stage < 3:
+        tiers["device"]["weights"] = d * P
+        tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else min(zero.reduce_bucket_size, P))
+        tiers["device" if setup.optimizer == "none" else "host"]["staging"] = d * n
+    else:
+        weight_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.weights]
+        tiers[weight_tier]["weights (partition)"] = d * n
+        tiers["device"]["weights (gathered)"] = d * min(zero.stage3_max_live_parameters + shape.largest, P)
+        tiers["device"]["gradient buckets"] = d * shape.largest
+        if setup.weights == "nvme":
+            tiers["host"]["weight pool"] = zero.offload_param.buffer_count * d * part
+    tiers[grad_tier]["gradients (fp32 owned)"] = 4 * n
+    tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else 12) * n
+    if setup.optimizer == "nvme":
+        per_buffer = 12 * sub_group + (4 * sub_group if grads_on_disk else 0)
+        tiers["host"]["optimizer pool"] = zero.offload_optimizer.buffer_count * per_buffer
+
+    offloaded = setup.optimizer != "none"
+    pcie = 0.0
+    if offloaded:
+        pcie += d * n * (1 if setup.stage == 1 else a)  # reduced gradient parts down
+    if setup.stage < 3:
+        pcie += d * n if offloaded else 0  # new weights' owned part up
+    else:
+        if setup.weights != "none":
+            pcie += 2 * a * d * n  # forward and backward gathers page the local part up
+        if offloaded != (setup.weights != "none"):
+            pcie += d * n  # new weights cross once, between the optimizer's tier and the weights'
+    read = written = 0.0
+    if setup.optimizer == "nvme":
+        read += 12 * n
+        written += 12 * n
+        if grads_on_disk:
+            read += 4 * n * a
+            written += 4 * n * a
+    if setup.stage == 3 and setup.weights == "nvme":
+        read += 2 * a * d * n
+        written += d * n
+    per_node = gpus // nodes
+    return Estimate(setup, tiers, {t: per_node * sum(tiers[t].values()) for t in TIERS}, pcie,
+                    per_node * read, per_node * written)
+
+
+def check_fits(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None) -> None:
+    """Fill ``e.fits``: per-rank accelerator bytes within gpu_mem, per-node host
+    and disk bytes within cpu_mem and nvme_free (a limit of None is not checked)."""
+    limits = {"device": gpu_mem, "host": cpu_mem, "nvme": nvme_free}
+    used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
+    e.fits = {t: limits[t] is None or used[t] <= limits[t] for t in TIERS}

@@ -1,0 +1,138 @@
+"""`offload estimate` and `offload plan`: the ZeRO paper's worked example,
+hand-computed offload cases, and the accounting checked against what the
+engine itself reports (memory per tier, bytes moved to disk) on a real model."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.cli import main, plan
+from offload.estimate import ModelShape, Setup, all_setups, estimate, zero_model_states
+from offload.models.gpt import GPT, SIZES
+
+GB = 1e9
+
+
+def test_the_zero_papers_worked_example():
+    # 7.5B parameters, 64 GPUs, mixed-precision Adam (ZeRO paper, section 5.1 / figure 1)
+    states = zero_model_states(7_500_000_000, 64)
+    assert [round(states[k] / GB, 1) for k in ("baseline", "stage1", "stage2", "stage3")] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_estimate_cli_prints_the_papers_figures(capsys):
+    assert main(["estimate", "--params", "7.5B", "--gpus", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    per_gpu = result["zero_model_states_per_gpu"]
+    assert round(per_gpu["stage2"] / GB, 1) == 16.6 and round(per_gpu["stage3"] / GB, 2) == 1.88
+    assert len(result["setups"]) == 15
+    assert main(["estimate", "--params", "7.5B", "--gpus", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "baseline 120.0 GB | stage 1 31.4 GB | stage 2 16.6 GB | stage 3 1.9 GB" in table
+
+
+def test_hand_computed_offload_cases():
+    P, N = 1_000_000_000, 4  # n = 250M owned elements per rank
+    shape = ModelShape(P, 50_000_000, "test")
+    bf16 = offload.Config.load({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+                                "zero_optimization": {"sub_group_size": 10_000_000, "reduce_bucket_size": 100_000_000}})
+    e = estimate(shape, Setup(2, "cpu"), bf16, N)
+    assert e.per_rank["device"] == {"weights": 2 * P, "gradient buckets": 2 * 100_000_000}
+    assert e.per_rank["host"] == {"staging": 2 * 250e6, "gradients (fp32 owned)": 4 * 250e6, "optimizer state": 12 * 250e6}
+    assert e.node["host"] == 4 * 18 * 250e6  # four ranks on the node
+    assert e.pcie_bytes_per_step == 2 * 250e6 * 2 + 2 * 250e6  # gradient parts down per micro-batch, weights up once
+    assert e.disk_read_per_step == 0
+    e = estimate(shape, Setup(3, "nvme", "nvme"), bf16, N)
+    assert e.per_rank["nvme"] == {"weights (partition)": 2 * 250e6, "optimizer state": 12 * 250e6}
+    assert e.per_rank["host"]["optimizer pool"] == 4 * 12 * 10_000_000
+    assert e.per_rank["host"]["weight pool"] == 5 * 2 * 12_500_000  # buffer_count parts of the largest parameter
+    assert e.disk_read_per_step == 4 * (12 + 2 * 2 * 2) * 250e6  # optimizer once, weights twice per micro-batch
+    assert e.disk_written_per_step == 4 * (12 + 2) * 250e6
+    assert e.pcie_bytes_per_step == 2 * 2 * 2 * 250e6 + 2 * 2 * 250e6  # gathers, then gradient parts; no upload
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+@pytest.mark.parametrize("setup", all_setups(), ids=lambda s: s.name.replace(", ", "-").replace(" ", ""))
+def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup):
+    """Per tier, the estimate lies within 10% (+64 KiB of headers) of the peak
+    the engine's memory report gives, and so do the bytes read and written per step."""
+    c = SIZES["small"]
+    zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
+            "stage3_max_live_parameters": 200_000,
+            "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
+                                  "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme"}}
+    if setup.stage == 3:
+        zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
+    config = offload.Config.load({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
+    torch.manual_seed(0)
+    engine = offload.initialize(GPT(c), config)
+    tokens = torch.randint(0, 256, (2, c.block_size + 1))
+    for _ in range(2):
+        before = engine.disk_traffic()
+        engine.backward(engine(tokens))
+        engine.step()
+        engine.synchronize()
+    after = engine.disk_traffic()
+    report = engine.memory_report()
+    engine.close()
+    peak = {"device": 0, "host": 0, "nvme": 0}
+    for (_, tier), v in report.items():
+        peak["host" if tier.startswith("host") else tier] += v["peak_bytes"]
+    e = estimate(ModelShape.from_gpt(c), setup, config, 1)
+    for tier, measured in peak.items():
+        assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
+    for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
+        assert abs(estimated - measured) <= 0.1 * measured + 65536, (estimated, measured)
+
+
+def test_plan_climbs_the_ladder_as_memory_shrinks():
+    gib = 1 << 30
+    shape = ModelShape.from_count(1_000_000_000)  # 16 GB of training state
+    cases = [
+        (plan.Machine(1, 80 * gib, 64 * gib, None), Setup(2, "none")),
+        (plan.Machine(1, 24 * gib, 64 * gib, None), Setup(2, "cpu")),
+        (plan.Machine(1, 8 * gib, 16 * gib, 100 * gib), Setup(2, "nvme")),
+        (plan.Machine(1, None, 16 * gib, 100 * gib), Setup(3, "nvme", "none")),  # no GPU: "device" is this RAM too
+        (plan.Machine(1, None, 4 * gib, 100 * gib), Setup(3, "nvme", "nvme")),
+    ]
+    for machine, expected in cases:
+        raw, e = plan.choose(shape, machine, "/nvme")
+        assert e.setup == expected, (machine, e.setup)
+        # the written config, estimated again, is what the plan claimed, and fits
+        again = estimate(shape, expected, offload.Config.load(raw), machine.gpus)
+        assert again.node == e.node and plan.fits(again, machine)
+    assert raw["zero_optimization"]["offload_optimizer"]["gradients_on_nvme"]  # 4 GB of fp32 gradient would not fit 4 GiB
+    assert plan.choose(ModelShape.from_count(10**12), plan.Machine(1, None, 16 * gib, 100 * gib), "/nvme") is None
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_plan_writes_a_config_that_trains(tmp_path, capsys):
+    out = tmp_path / "planned.json"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    assert main(["plan", "--params", "100K", "--nvme-path", str(nvme), "--bench-size", "8M", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen: stage 2, optimizer none" in printed and f"wrote {out}" in printed
+    assert main(["train", "--config", str(out), "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
+    assert os.listdir(nvme) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate"], "one of the arguments --params --model-config is required"),
+    (["estimate", "--params", "lots"], "is not a count"),
+    (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
+    (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
+    (["estimate", "--model-config", "huge"], "neither a bundled size"),
+    (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tempfile.gettempdir())
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

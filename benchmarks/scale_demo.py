@@ -21,6 +21,7 @@ import torch
 
 import offload
 from offload.cli import bench_swap
+from offload.estimate import ModelShape, Setup, estimate
 from offload.models.gpt import GPT, GPTConfig
 from offload.store import AioSettings
 
@@ -60,20 +61,21 @@ def main() -> None:
     build_s = time.perf_counter() - start
     print(f"built and partitioned in {build_s:.0f} s; peak RSS so far {_peak_rss() / 2**30:.2f} GiB", flush=True)
 
-    stores = [engine.optimizer.store, engine.weights.store]
+    expected = estimate(ModelShape.from_gpt(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
+    print(f"offload estimate for this setup: {expected.disk_read_per_step / 1e9:.1f} GB read and "
+          f"{expected.disk_written_per_step / 1e9:.1f} GB written per step", flush=True)
     tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1))
     steps = []
     for step in range(args.steps):
-        before = [dict(s.stats()["io"]) for s in stores]
+        before = engine.disk_traffic()
         t0 = time.perf_counter()
         loss = engine(tokens)
         engine.backward(loss)
         engine.step()
         engine.synchronize()
         seconds = time.perf_counter() - t0
-        after = [s.stats()["io"] for s in stores]
-        read = sum(a["bytes_read"] - b["bytes_read"] for a, b in zip(after, before))
-        written = sum(a["bytes_written"] - b["bytes_written"] for a, b in zip(after, before))
+        after = engine.disk_traffic()
+        read, written = after[0] - before[0], after[1] - before[1]
         steps.append({"seconds": seconds, "loss": loss.item(), "bytes_read": read, "bytes_written": written})
         print(f"step {step + 1}: loss {loss.item():.4f}, {seconds:.0f} s, read {read / 1e9:.1f} GB, "
               f"written {written / 1e9:.1f} GB, peak RSS {_peak_rss() / 2**30:.2f} GiB", flush=True)
@@ -83,7 +85,8 @@ def main() -> None:
 
     disk = bench_swap.measure(args.nvme_path, 1 << 30, AioSettings(**aio))
     result = {"params": params, "state_gib": 16 * params / 2**30, "ram_gib": ram / 2**30,
-              "build_seconds": build_s, "steps": steps, "disk_read_gbps": disk["read_gbps"],
+              "build_seconds": build_s, "steps": steps,
+              "estimated_bytes_read": expected.disk_read_per_step, "estimated_bytes_written": expected.disk_written_per_step, "disk_read_gbps": disk["read_gbps"],
               "disk_write_gbps": disk["write_gbps"], "peak_rss_gib": _peak_rss() / 2**30}
     for s in steps:
         s["disk_seconds"] = s["bytes_read"] / (disk["read_gbps"] * 1e9) + s["bytes_written"] / (disk["write_gbps"] * 1e9)

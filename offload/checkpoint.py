@@ -3,12 +3,14 @@
 A checkpoint is a directory ``<save_dir>/<tag>/`` holding
   manifest.json       written last: format, world size, counters, loss scale,
                       client state, the flat layout (so ``offload export`` needs
-                      neither the model nor an engine) and every file's checksums;
+                      neither the model nor an engine), every file's checksums
+                      and its own;
   rank-00000.bin ...  rank r's owned shard as three fp32 sections of ``owned``
                       elements: master weights, exp_avg, exp_avg_sq;
   extra.safetensors   what is not trained (buffers, frozen parameters), from rank 0;
 and ``<save_dir>/latest`` names the newest tag. Each section carries a CRC-32
-per ``CHUNK_BYTES``, checked before any byte of that chunk is used.
+per ``CHUNK_BYTES``, checked before any byte of that chunk is used; the
+manifest and extra.safetensors carry one each, checked before they are parsed.
 
 Note [checkpoint atomicity]
 Every rank writes into ``<save_dir>/.<tag>.partial/`` and fsyncs its file.
@@ -46,6 +48,11 @@ LATEST = "latest"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged or does not fit; the message names the path."""
+
+
+def export_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """Floating-point buffers and frozen parameters follow the export dtype; integers keep theirs."""
+    return dtype if value.is_floating_point() else value.dtype
 
 
 def rank_file(rank: int) -> str:
@@ -182,11 +189,34 @@ def read_manifest(directory: str) -> dict:
     try:
         with open(path) as f:
             manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+        stored = manifest.pop("crc32")
+    except (OSError, json.JSONDecodeError, KeyError, AttributeError) as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if zlib.crc32(_canonical(manifest)) != stored:
+        raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this offload reads {FORMAT!r}")
     return manifest
+
+
+def _canonical(manifest: dict) -> bytes:
+    """The bytes the manifest's checksum covers (any key order, one encoding)."""
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def read_extras(directory: str, manifest: dict) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters, checksum verified first."""
+    if not manifest["extra_keys"]:
+        return {}
+    path = os.path.join(directory, EXTRA)
+    try:
+        with open(path, "rb") as f:
+            crc = zlib.crc32(f.read())
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}; the checkpoint is incomplete") from None
+    if crc != manifest["extra_crc32"]:
+        raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
+    return read_safetensors(path)
 
 
 def layout_of(engine) -> list[dict]:
@@ -201,10 +231,9 @@ def consolidated(directory: str, manifest: dict, dtype: torch.dtype) -> tuple[li
     """(plan, tensors) of the consolidated weights: each parameter's fp32 master
     weights assembled from every rank's file, one parameter in memory at a time,
     in the order and with the keys ``Engine.export`` writes."""
-    extra_path = os.path.join(directory, EXTRA)
-    extras = read_safetensors(extra_path) if manifest["extra_keys"] else {}
+    extras = read_extras(directory, manifest)
     plan = [(key, dtype, tuple(p["shape"])) for b in manifest["layout"] for p in b["params"] for key in p["keys"]]
-    plan += [(key, extras[key].dtype, tuple(extras[key].shape)) for key in manifest["extra_keys"]]
+    plan += [(key, export_dtype(extras[key], dtype), tuple(extras[key].shape)) for key in manifest["extra_keys"]]
 
     def tensors():
         files = [_RankFile.open(directory, manifest, r) for r in range(manifest["world_size"])]
@@ -221,7 +250,7 @@ def consolidated(directory: str, manifest: dict, dtype: torch.dtype) -> tuple[li
             for f in files:
                 f.close()
         for key in manifest["extra_keys"]:
-            yield key, extras[key]
+            yield key, extras[key].to(export_dtype(extras[key], dtype))
 
     return plan, tensors()
 
@@ -305,7 +334,7 @@ def _agree(action, acting: bool, *args):
     if acting:
         try:
             result = action(*args)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # any failure: the other ranks must hear of it, not wait in the collective
             error = exc
     outcomes = comm.all_gather_object((result, None if error is None else str(error)))
     if error is not None:
@@ -349,9 +378,12 @@ def _write_rank(engine, partial: str) -> dict[str, list[int]]:
 def _publish(save_dir: str, final: str, partial: str, manifest: dict, extras: list) -> None:
     try:
         if extras:
-            write_safetensors(os.path.join(partial, EXTRA),
-                              [(k, v.dtype, tuple(v.shape)) for k, v in extras], extras)
-        _write_synced(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
+            extra_path = os.path.join(partial, EXTRA)
+            write_safetensors(extra_path, [(k, v.dtype, tuple(v.shape)) for k, v in extras], extras)
+            with open(extra_path, "rb") as f:
+                manifest["extra_crc32"] = zlib.crc32(f.read())
+        crc = zlib.crc32(_canonical(manifest))
+        _write_synced(os.path.join(partial, MANIFEST), json.dumps({**manifest, "crc32": crc}, indent=1).encode())
         _fsync_dir(partial)
         os.rename(partial, final)
         _fsync_dir(save_dir)
@@ -388,7 +420,7 @@ def load(engine, load_dir: str, tag: str | None) -> tuple[str, dict]:
     manifest = read_manifest(directory)
     _check_fits(engine, directory, manifest)
     engine.synchronize()
-    extras = read_safetensors(os.path.join(directory, EXTRA)) if manifest["extra_keys"] else {}
+    extras = read_extras(directory, manifest)
     out = engine.staging if engine.staging is not None else engine.weights
     if engine.staging is None:
         engine.weights.begin_publish()

@@ -30,7 +30,7 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> bytes:
             if total >= max_bytes:
                 return b"".join(parts)
     if total == 0:
-        raise RuntimeError(f"no .py files under {root}: this Python has no standard library sources to train on")
+        raise ValueError(f"no .py files under {root}: this Python has no standard library sources to train on")
     return b"".join(parts)
 
 

@@ -303,49 +303,66 @@ class Engine:
         return keys_of, others
 
     def full_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(key, tensor) for every entry of the model's state dict, in bucket
-        order, trainable parameters from the fp32 master weights gathered from all
-        ranks, one bucket in memory at a time (a collective: iterate on every rank)."""
+        """(key, tensor) for every entry of the model's state dict, trainable
+        parameters first in layout order, then the rest; floating-point values
+        in ``dtype``. Each parameter is assembled from the fp32 master weights:
+        every rank broadcasts its piece of it (Note [flat layout]), so one
+        parameter is in memory at a time (a collective: iterate on every rank)."""
         self.synchronize()
         keys_of, others = self._state_entries()
-        for bucket in self.layout.buckets:
-            part = self.optimizer.read_master(bucket.owned_offset, bucket.owned_offset + bucket.part)
-            full = torch.empty(bucket.size, device=self._comm_device)
-            comm.all_gather(full, part.to(self._comm_device))
-            full = full.cpu()
-            for slot in bucket.slots:
-                begin = slot.offset - bucket.start
-                tensor = full[begin : begin + slot.numel].view(slot.param.shape).to(dtype)
-                for key in keys_of[slot.param]:
-                    yield key, tensor
+        pieces = {slot: list(self._pieces(slot)) for slot in self.layout.slots}
+        mine = self.optimizer.read_master_ranges(
+            (lo, hi) for slot in self.layout.slots for rank, lo, hi, _ in pieces[slot] if rank == self.rank)
+        for slot in self.layout.slots:
+            full = torch.empty(slot.numel, device=self._comm_device)
+            for rank, lo, hi, at in pieces[slot]:
+                piece = full[at : at + hi - lo]
+                if rank == self.rank:
+                    piece.copy_(next(mine))
+                comm.broadcast(piece, src=rank)
+            tensor = full.cpu().view(slot.param.shape).to(dtype)
+            for key in keys_of[slot.param]:
+                yield key, tensor
         for key, value in others:
-            yield key, value.detach().cpu()
+            yield key, value.detach().cpu().to(checkpoint.export_dtype(value, dtype))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with fp32 master weights for every trainable
-        parameter, in the model's key order (a collective: call it on every rank)."""
-        entries = dict((k, v.clone()) for k, v in self.full_weights())
+    def _pieces(self, slot) -> Iterator[tuple[int, int, int, int]]:
+        """(rank, owned lo, owned hi, offset in the parameter) of each rank's piece of a parameter."""
+        bucket = self.layout.buckets[slot.bucket]
+        begin = slot.offset - bucket.start
+        end = begin + slot.numel
+        for rank in range(self.world):
+            a, b = max(begin, rank * bucket.part), min(end, (rank + 1) * bucket.part)
+            if a < b:
+                yield rank, bucket.owned_offset + a - rank * bucket.part, bucket.owned_offset + b - rank * bucket.part, a - begin
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The model's state dict, consolidated from the fp32 master weights, in
+        the model's key order (a collective: call it on every rank). It holds
+        the whole model: for large ones, ``export`` streams to a file instead."""
+        entries = dict((k, v.clone()) for k, v in self.full_weights(dtype))
         return {k: entries[k] for k in self.module.state_dict(keep_vars=True)}
 
     def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
-        """Write the consolidated weights (``dtype``: float32 or bfloat16) to a
-        safetensors file, one tensor at a time: the whole model is never in
-        host memory at once. Every rank must call it; rank 0 writes."""
+        """Write the consolidated weights (``dtype``: float32, bfloat16 or
+        float16) to a safetensors file, one parameter at a time: the whole model
+        is never in host memory at once. Every rank must call it; rank 0 writes."""
         write_safetensors(path, self._export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
 
     def _export_plan(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(key, dtype, shape) in the order full_weights yields them."""
         keys_of, others = self._state_entries()
-        plan = [(key, dtype, tuple(slot.param.shape)) for bucket in self.layout.buckets
-                for slot in bucket.slots for key in keys_of[slot.param]]
-        return plan + [(key, value.dtype, tuple(value.shape)) for key, value in others]
+        plan = [(key, dtype, tuple(slot.param.shape)) for slot in self.layout.slots for key in keys_of[slot.param]]
+        return plan + [(key, checkpoint.export_dtype(value, dtype), tuple(value.shape)) for key, value in others]
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Save the full training state (fp32 master weights, Adam moments,
         counters, loss scale, buffers, ``client_state``: JSON) under
         ``save_dir/tag`` (default tag ``global_step<N>``), between steps. It
         appears complete or not at all (Note [checkpoint atomicity]); every rank
-        must call it. Returns the checkpoint directory."""
+        must call it. With the delayed update, the update in flight is applied
+        first, so the weights saved are the optimizer's newest. Returns the
+        checkpoint directory."""
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:

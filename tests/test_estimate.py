@@ -120,6 +120,24 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "chosen: stage 2, optimizer none" in printed and f"wrote {out}" in printed
     assert main(["train", "--config", str(out), "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_path, monkeypatch, capsys):
+    """On a (pretended) machine with 40 MB of RAM and no GPU, the 1.9M-parameter
+    model needs ZeRO-Infinity; the run then holds what the plan promised."""
+    nvme, out = tmp_path / "nvme", tmp_path / "planned.json"
+    nvme.mkdir()
+    ram = 40_000_000
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, ram, 10**9, 1.0, 1.0))
+    assert main(["plan", "--model-config", "small", "--nvme-path", str(nvme), "--out", str(out)]) == 0
+    assert "chosen: stage 3, optimizer nvme, weights nvme" in capsys.readouterr().out
+    assert main(["train", "--config", str(out), "--model", "small", "--steps", "3", "--out", str(tmp_path / "run")]) == 0
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    peak = summary["peak_bytes_per_tier"]
+    assert peak["nvme"] > 0 and summary["disk_bytes_per_step"]["bytes_read"] > 0
+    assert peak["device"] + peak["host"] <= ram  # no GPU: the accelerator's memory is this RAM
     assert os.listdir(nvme) == []
 
 
@@ -130,6 +148,7 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
     (["estimate", "--model-config", "huge"], "neither a bundled size"),
     (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
+    (["plan", "--params", "1B", "--out", "/nonexistent/plan.json"], "does not exist; create it first"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120,

@@ -102,13 +102,14 @@ def _write(tmp_path, name, text):
 
 
 @pytest.mark.parametrize("case", ["steps", "model", "model_json", "config_missing", "config_json", "config_key",
-                                  "seq_len", "nvme_path", "config_nvme_path", "export_missing"])
+                                  "seq_len", "nvme_path", "config_nvme_path", "export_missing", "config_array",
+                                  "config_directory", "model_vocab", "model_bool", "out_is_a_file", "seed"])
 def test_bad_input_exits_2_with_one_line(tmp_path, case):
     argv, message = {
         "steps": (["train", "--steps", "0"], "must be >= 1"),
         "model": (["train", "--model", "7B"], "neither a bundled size"),
         "model_json": (["train", "--model", _write(tmp_path, "m.json", '{"n_layers": 2}')], "unknown keys ['n_layers']"),
-        "config_missing": (["train", "--config", "/nonexistent.json"], "no such file"),
+        "config_missing": (["train", "--config", "/nonexistent.json"], "cannot read it (No such file or directory)"),
         "config_json": (["train", "--config", _write(tmp_path, "c.json", "{")], "not valid JSON"),
         "config_key": (["train", "--config", _write(tmp_path, "k.json", '{"zero_optimisation": {}}')], "zero_optimization"),
         "seq_len": (["train", "--model", "tiny", "--seq-len", "65"], "exceeds the model's block_size 64"),
@@ -116,6 +117,12 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "config_nvme_path": (["train", "--config", os.path.join(ROOT, "configs", "zero2_nvme.json")],
                              "offload_optimizer.nvme_path '/local_nvme' is not a directory"),
         "export_missing": (["export", str(tmp_path), "--out", str(tmp_path / "x.safetensors")], "no checkpoint here"),
+        "config_array": (["train", "--config", _write(tmp_path, "a.json", "[]")], "must hold a JSON object"),
+        "config_directory": (["train", "--config", str(tmp_path)], "cannot read it"),
+        "model_vocab": (["train", "--model", _write(tmp_path, "v.json", '{"vocab_size": 100}')], "below 256"),
+        "model_bool": (["train", "--model", _write(tmp_path, "b.json", '{"n_layer": true}')], "whole number"),
+        "out_is_a_file": (["train", "--out", _write(tmp_path, "file", "")], "cannot create it"),
+        "seed": (["train", "--seed", str(10**20)], "must be in [0, 2**32)"),
     }[case]
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

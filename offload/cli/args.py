@@ -31,6 +31,16 @@ def count(text: str) -> int:
     return int(value)
 
 
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 2**32)")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -75,7 +85,7 @@ def gpt_config(choice: str) -> GPTConfig:
     unknown = set(values) - fields if isinstance(values, dict) else {"(not an object)"}
     if unknown:
         raise UserError(f"model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
-    if not all(isinstance(v, int) and v >= 1 for v in values.values()):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values.values()):
         raise UserError(f"model {choice}: every value must be a whole number >= 1")
     c = GPTConfig(**values)
     if c.n_embd % c.n_head:

@@ -113,9 +113,11 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[
     for step in LADDER:
         if "nvme" in step[1:3] and machine.nvme_free is None:
             continue
-        sub_groups = SUB_GROUPS if step[1] == "nvme" else SUB_GROUPS[:1]
-        for live, sub_group in itertools.product(LIVE if step[0] == 3 else LIVE[:1], sub_groups):
-            raw = config_for(step, min(sub_group, owned), live, nvme_path, bf16)
+        # The NVMe pool holds buffer_count sub-groups: for a small shard, an eighth of it keeps the pool small.
+        sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {math.ceil(owned / 8)}, reverse=True)
+        for live, sub_group in itertools.product(LIVE if step[0] == 3 else LIVE[:1],
+                                                 sub_groups if step[1] == "nvme" else sub_groups[:1]):
+            raw = config_for(step, sub_group, live, nvme_path, bf16)
             e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus)
             if fits(e, machine):
                 return raw, e
@@ -124,6 +126,9 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[
 
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(parent):
+        raise UserError(f"--out {args.out}: directory {parent} does not exist; create it first")
     machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
     nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
     chosen = choose(shape, machine, nvme_path)

@@ -32,7 +32,7 @@ import time
 import torch
 
 import offload
-from offload.cli.args import UserError, gpt_config, positive_int
+from offload.cli.args import UserError, gpt_config, positive_int, seed
 from offload.cli.progress import Progress
 from offload.data import ByteBatches, stdlib_corpus
 from offload.engine import human_bytes
@@ -53,7 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch per rank (default: the config's, else 8)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary directory, removed after)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed for the weights and the batches (default 0)")
     p.add_argument("--out", default=None, help="directory for summary.json and loss.png (default runs/train-<time>)")
     p.set_defaults(run=run)
 
@@ -63,7 +63,14 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or model_config.block_size
     if seq_len > model_config.block_size:
         raise UserError(f"--seq-len {seq_len} exceeds the model's block_size {model_config.block_size}; lower it")
+    if model_config.vocab_size < 256:
+        raise UserError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
+                        f"so the model needs a vocabulary of at least 256")
     out_dir = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # now, not after the run
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed and not torch.distributed.is_initialized():
         _init_distributed()
@@ -113,10 +120,12 @@ def _engine_config(args: argparse.Namespace, scratch: str | None) -> offload.Con
         try:
             with open(args.config) as f:
                 raw = json.load(f)
-        except FileNotFoundError:
-            raise UserError(f"--config {args.config}: no such file") from None
+        except OSError as exc:
+            raise UserError(f"--config {args.config}: cannot read it ({exc.strerror})") from None
         except json.JSONDecodeError as exc:
             raise UserError(f"--config {args.config}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"--config {args.config}: must hold a JSON object of config keys, not a {type(raw).__name__}")
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
         raw.pop("train_batch_size", None)  # recomputed from the micro batch
@@ -163,7 +172,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             wall = time.perf_counter() - start
             detail = engine.times.optimizer_detail
             read1, written1 = engine.disk_traffic()
-            mean_loss = comm.all_reduce(torch.tensor([loss_sum / accumulation], dtype=torch.float64)).item() / world
+            mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
+            mean_loss = comm.all_reduce(mean).item() / world
             row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
                    "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
                    "bytes_read": read1 - read0, "bytes_written": written1 - written0}

@@ -38,6 +38,12 @@ def all_gather(full: torch.Tensor, part: torch.Tensor) -> None:
         _all_gather(full, part)
 
 
+def broadcast(t: torch.Tensor, src: int) -> None:
+    """t <- rank src's t."""
+    if world()[1] > 1:
+        dist.broadcast(t, src)
+
+
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if world()[1] > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -252,17 +252,29 @@ class ShardOptimizer:
         if self.store is not None:
             self.store.flush()
 
-    def read_master(self, lo: int, hi: int) -> torch.Tensor:
-        """Master weights [lo, hi) of the owned shard, fp32, host memory (a copy);
-        reads only the sub-groups that overlap the range."""
+    def read_master_ranges(self, ranges: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        """Master weights of each owned range [lo, hi), fp32 host copies, for
+        ranges in increasing order: each sub-group is read once and held only
+        while ranges still fall in it."""
         if self.tier == "none":
-            return self._master[lo:hi].detach().cpu().clone()
-        out = torch.empty(hi - lo)
-        for i, g_lo, a, b in self._overlaps(lo, hi):
-            (state,) = self.store.get([self._key(i)])
-            out[a - lo : b - lo].copy_(state[0, a - g_lo : b - g_lo])
-            self.store.release([self._key(i)], dirty=False)
-        return out
+            for lo, hi in ranges:
+                yield self._master[lo:hi].detach().cpu().clone()
+            return
+        held: tuple[int, torch.Tensor] | None = None
+        try:
+            for lo, hi in ranges:
+                out = torch.empty(hi - lo)
+                for i, g_lo, a, b in self._overlaps(lo, hi):
+                    if held is None or held[0] != i:
+                        if held is not None:
+                            self.store.release([self._key(held[0])], dirty=False)
+                            held = None
+                        held = (i, self.store.get([self._key(i)])[0])
+                    out[a - lo : b - lo].copy_(held[1][0, a - g_lo : b - g_lo])
+                yield out
+        finally:
+            if held is not None:
+                self.store.release([self._key(held[0])], dirty=False)
 
     def state_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, state) per sub-group, in order: ``state`` is [3, hi - lo] fp32

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from offload import _native, checkpoint
 from offload.cli import main
 from offload.safetensors_file import read_safetensors
 
-from .harness import TinyLM, batch, config, free_port, init_gloo, make_model
+from .harness import TinyLM, batch, config, free_port, init_gloo
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -48,7 +49,7 @@ def run(engine, steps, accumulation=1, rank=0):
             engine.step()
 
 
-CASES = [(1, "none", None), (2, "cpu", None), (2, "nvme", None), (3, "cpu", "none"), (3, "nvme", "nvme")]
+CASES = [(1, "none", None), (2, "cpu", None), (2, "nvme", None), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
 
 
 def case_config(stage, device, param_device, nvme, accumulation=1, **extra):
@@ -241,8 +242,9 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
             engine.load_checkpoint(str(tmp_path / "ckpt"))
     manifest_path = tmp_path / "ckpt" / "a" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
+    manifest.pop("crc32")
     manifest["world_size"] = 2
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps({**manifest, "crc32": zlib.crc32(checkpoint._canonical(manifest))}))
     with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
         with pytest.raises(checkpoint.CheckpointError, match="saved by 2 ranks, loading on 1"):
             engine.load_checkpoint(str(tmp_path / "ckpt"))
@@ -259,3 +261,55 @@ def test_fp16_loss_scale_survives(tmp_path):
     with offload.initialize(model(), cfg) as fresh:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
         assert fresh.scaler.scale == scale and fresh.scaler.state_dict() == engine.scaler.state_dict()
+
+
+@pytest.mark.parametrize("name,damage", [("manifest.json", "edit"), ("extra.safetensors", "flip"),
+                                         ("extra.safetensors", "truncate")])
+def test_a_damaged_manifest_or_extra_file_is_refused(tmp_path, name, damage, capsys):
+    saved(tmp_path).close()
+    path = tmp_path / "ckpt" / "a" / name
+    data = bytearray(path.read_bytes())
+    if damage == "edit":
+        data = data.replace(b'"global_steps": 1', b'"global_steps": 7')
+    elif damage == "flip":
+        data[-3] ^= 0x01
+    else:
+        data = data[:-2]
+    path.write_bytes(data)
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        with pytest.raises(checkpoint.CheckpointError, match=f"{name}: fails its checksum"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "fails its checksum" in capsys.readouterr().err
+
+
+def test_with_the_delayed_update_resuming_equals_continuing(tmp_path):
+    """Saving applies the update in flight (Note [checkpoint atomicity] in the
+    save docstring): from there, the run that goes on and the resumed one agree bitwise."""
+    cfg = case_config(2, "cpu", None, None, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
+    with offload.initialize(model(), cfg) as engine:
+        run(engine, range(4))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        run(engine, range(4, 8))
+        expected = engine.state_dict()
+    with offload.initialize(model(seed=1), cfg) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        run(engine, range(4, 8))
+        resumed = engine.state_dict()
+    for key in expected:
+        assert torch.equal(resumed[key], expected[key]), key
+
+
+def test_a_bf16_run_exports_every_floating_value_in_the_asked_dtype(tmp_path):
+    cfg = case_config(3, "cpu", "cpu", None, bf16={"enabled": True})
+    with offload.initialize(model(), cfg) as engine:
+        run(engine, range(2))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        assert engine.module.seen.dtype == torch.bfloat16  # buffers run in the compute dtype
+        state = engine.state_dict()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    checkpoint.export(str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"), torch.float32)
+    exported = read_safetensors(str(tmp_path / "m.safetensors"))
+    assert {k: v.dtype for k, v in exported.items()} == {k: torch.float32 for k in state}
+    for key in state:
+        assert torch.equal(exported[key], state[key]), key

@@ -3,7 +3,6 @@ optimizer buffers with NVMe offload; the delayed update converges and equals
 the plain path during warm-up; reports, state dicts and config checks."""
 
 import gc
-import os
 
 import psutil
 import pytest

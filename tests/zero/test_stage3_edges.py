@@ -13,7 +13,7 @@ from offload import _native
 from offload.models.gpt import GPT, SIZES
 from offload.safetensors_file import read_safetensors
 
-from .harness import batch, config, make_model, max_difference, train_engine
+from .harness import batch, config, make_model, max_difference
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 

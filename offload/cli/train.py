@@ -59,6 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Everything the user gave is checked before anything is created or trained."""
     model_config = gpt_config(args.model)
     seq_len = args.seq_len or model_config.block_size
     if seq_len > model_config.block_size:
@@ -66,29 +67,35 @@ def run(args: argparse.Namespace) -> int:
     if model_config.vocab_size < 256:
         raise UserError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
                         f"so the model needs a vocabulary of at least 256")
-    out_dir = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
-    try:
-        os.makedirs(out_dir, exist_ok=True)  # now, not after the run
-    except OSError as exc:
-        raise UserError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if distributed and not torch.distributed.is_initialized():
-        _init_distributed()
-    rank, world = comm.world()
     scratch = tempfile.mkdtemp(prefix="offload-train-") if args.nvme_path is None else None
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         config = _engine_config(args, scratch)
+        out_dir = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
+        reporting = int(os.environ.get("RANK", "0")) == 0
+        if reporting:
+            _make_out_dir(out_dir)
+        if distributed and not torch.distributed.is_initialized():
+            _init_distributed()
+        rank, world = comm.world()
         data = ByteBatches(stdlib_corpus(), seq_len, config.train_micro_batch_size_per_gpu, args.seed)
         summary = _train(args, model_config, config, data, rank, world)
-        if rank == 0:
+        if reporting:
             _write_outputs(out_dir, summary)
             print(_report(summary, out_dir))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-        if distributed:
+        if distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
+
+
+def _make_out_dir(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # now, not after the run
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
 
 
 def _init_distributed() -> None:

@@ -99,7 +99,7 @@ class _SectionReader:
         expected = -(-self.nbytes // CHUNK_BYTES)
         if len(crcs) != expected:
             raise CheckpointError(f"{path}: section {name} lists {len(crcs)} checksums, expected {expected}; the manifest is damaged")
-        self._buffer = np.empty(min(CHUNK_BYTES, max(self.nbytes, 1)), dtype=np.uint8)
+        self._buffer: np.ndarray | None = None  # allocated at the first read: export reads only the master section
         self._chunk = -1
         self._valid = 0  # bytes of the current chunk
         self._used = 0  # of which handed out
@@ -122,6 +122,8 @@ class _SectionReader:
         size = min(CHUNK_BYTES, self.nbytes - begin)
         if size <= 0:
             raise CheckpointError(f"{self.path}: read past the end of section {self.name}")
+        if self._buffer is None:
+            self._buffer = np.empty(min(CHUNK_BYTES, self.nbytes), dtype=np.uint8)
         view = memoryview(self._buffer)[:size]
         got = os.preadv(self.fd, [view], self.start + begin)
         if got != size:
@@ -148,12 +150,15 @@ class _RankFile:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             raise CheckpointError(f"{path}: {exc.strerror}; the checkpoint is incomplete") from None
-        size = os.fstat(fd).st_size
-        owned = manifest["owned"]
-        if size != 3 * 4 * owned:
+        try:
+            size = os.fstat(fd).st_size
+            owned = manifest["owned"]
+            if size != 3 * 4 * owned:
+                raise CheckpointError(f"{path}: {size} bytes, expected {3 * 4 * owned}; the file is truncated or replaced")
+            readers = {s: _SectionReader(path, fd, i * 4 * owned, owned, entry[s], s) for i, s in enumerate(SECTIONS)}
+        except BaseException:
             os.close(fd)
-            raise CheckpointError(f"{path}: {size} bytes, expected {3 * 4 * owned}; the file is truncated or replaced")
-        readers = {s: _SectionReader(path, fd, i * 4 * owned, owned, entry[s], s) for i, s in enumerate(SECTIONS)}
+            raise
         return _RankFile(fd, readers)
 
     def close(self) -> None:
@@ -229,15 +234,18 @@ def layout_of(engine) -> list[dict]:
 
 def consolidated(directory: str, manifest: dict, dtype: torch.dtype) -> tuple[list, Iterator[tuple[str, torch.Tensor]]]:
     """(plan, tensors) of the consolidated weights: each parameter's fp32 master
-    weights assembled from every rank's file, one parameter in memory at a time,
-    in the order and with the keys ``Engine.export`` writes."""
+    weights assembled from every rank's file, one parameter in memory at a time
+    (plus one 16 MiB read buffer per rank file), in the order and with the keys
+    ``Engine.export`` writes."""
     extras = read_extras(directory, manifest)
     plan = [(key, dtype, tuple(p["shape"])) for b in manifest["layout"] for p in b["params"] for key in p["keys"]]
     plan += [(key, export_dtype(extras[key], dtype), tuple(extras[key].shape)) for key in manifest["extra_keys"]]
 
     def tensors():
-        files = [_RankFile.open(directory, manifest, r) for r in range(manifest["world_size"])]
+        files = []
         try:
+            for r in range(manifest["world_size"]):
+                files.append(_RankFile.open(directory, manifest, r))
             masters = [f.readers["master"] for f in files]
             for bucket in manifest["layout"]:
                 stream = _BucketStream(masters, bucket["part"])
@@ -300,17 +308,22 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict | None) -> s
         client = json.loads(json.dumps(client_state or {}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"client_state must be JSON-serialisable: {exc}") from None
-    engine.synchronize()
+    _agree(engine.synchronize, True)  # a write-back failing on one rank must not leave the others waiting
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     _agree(_prepare, engine.rank == 0, save_dir, final, partial)
-    crcs = _agree(_write_rank, True, engine, partial)
+    try:
+        crcs = _agree(_write_rank, True, engine, partial)
+    except BaseException:
+        if engine.rank == 0:  # every rank has closed its file: the preallocated space goes back now
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     _, others = engine._state_entries()
     extras = [(key, value.detach().cpu()) for key, value in others]
     manifest = {
         "format": FORMAT, "tag": tag, "world_size": engine.world, "owned": engine.layout.owned,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "optimizer_steps": engine.optimizer.step_count,
+        "skipped_steps": engine.skipped_steps, "optimizer_steps": engine.optimizer.step_count, "lr": engine.lr,
         "loss_scaler": engine.scaler.state_dict(), "compute_dtype": engine.config.compute_dtype_name,
         "chunk_bytes": CHUNK_BYTES, "client_state": client,
         "files": {rank_file(r): c for r, c in enumerate(crcs)},
@@ -416,11 +429,17 @@ def load(engine, load_dir: str, tag: str | None) -> tuple[str, dict]:
     A checksum failure part-way leaves the engine's state partly replaced:
     load another checkpoint or rebuild the engine."""
     _require_step_boundary(engine, "load_checkpoint")
-    directory = resolve(load_dir, tag)
-    manifest = read_manifest(directory)
-    _check_fits(engine, directory, manifest)
-    engine.synchronize()
-    extras = read_extras(directory, manifest)
+    directory = _agree(resolve, engine.rank == 0, load_dir, tag)[0]  # one tag for all, even if latest moves
+    loaded = {}
+
+    def prepare() -> None:
+        loaded["manifest"] = manifest = read_manifest(directory)
+        _check_fits(engine, directory, manifest)
+        engine.synchronize()
+        loaded["extras"] = read_extras(directory, manifest)
+
+    _agree(prepare, True)
+    manifest, extras = loaded["manifest"], loaded["extras"]
     out = engine.staging if engine.staging is not None else engine.weights
     if engine.staging is None:
         engine.weights.begin_publish()
@@ -433,8 +452,10 @@ def load(engine, load_dir: str, tag: str | None) -> tuple[str, dict]:
     with torch.no_grad():
         for key, value in extras.items():
             entries[key].copy_(value)
-    engine.global_steps, engine.micro_steps = manifest["global_steps"], manifest["micro_steps"]
+    engine.global_steps = manifest["global_steps"]
+    engine.micro_steps = engine.global_steps * engine.accumulation  # this run's accumulation may differ
     engine.skipped_steps = manifest["skipped_steps"]
+    engine.lr = manifest["lr"]
     engine.scaler.load_state_dict(manifest["loss_scaler"])
     return directory, manifest["client_state"]
 

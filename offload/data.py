@@ -54,7 +54,7 @@ class ByteBatches:
 
     def batch(self, step: int, micro: int, rank: int) -> torch.Tensor:
         """(batch_size, seq_len + 1) token ids for training."""
-        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + step) * 1009 + micro) * 1013 + rank)
+        g = torch.Generator().manual_seed((((self.seed * 1_000_003 + step) * 1009 + micro) * 1013 + rank) % 2**63)
         return self._windows(self.train, g)
 
     def eval_batches(self, count: int) -> list[torch.Tensor]:

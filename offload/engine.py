@@ -228,10 +228,11 @@ class Engine:
         spare.zero_()
         self._spare_grads = grads
         self.reducer.owned_grads = spare  # the next accumulation window fills the other buffer
+        hyper = self.optimizer.hyper  # the learning rate set for this step, not one set while it runs
 
         def update():
             start = time.perf_counter()
-            self.optimizer.step(grads, multiplier, self.staging)
+            self.optimizer.step(grads, multiplier, self.staging, hyper)
             return time.perf_counter() - start
 
         self._pending = self._worker.submit(update)

@@ -19,10 +19,12 @@ bytes (2 for bf16/fp16, 4 for fp32), a accumulation steps:
                  accelerator: stage3_max_live_parameters plus one module (the
                  largest parameter stands for it)
   gradients      stage 1: d*P flat buffer; stage 2: one bucket of
-                 reduce_bucket_size (a weight shared by distant layers can keep
-                 a second one open); stage 3: one parameter; then the
-                 fp32 owned gradient 4*n (accelerator when the optimizer is
-                 there, host when offloaded, disk with gradients_on_nvme)
+                 reduce_bucket_size, or the largest parameter if larger (a
+                 weight shared by distant layers can keep a second one open);
+                 stage 3: one parameter; then the fp32 owned gradient 4*n
+                 (accelerator when the optimizer is there, host when
+                 offloaded, disk with gradients_on_nvme), twice with the
+                 delayed update (one buffer fills while the other is applied)
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
                  gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus a
@@ -131,7 +133,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
 
     if setup.stage < 3:
         tiers["device"]["weights"] = d * P
-        tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else min(zero.reduce_bucket_size, P))
+        tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else max(min(zero.reduce_bucket_size, P), shape.largest))
         tiers["device" if setup.optimizer == "none" else "host"]["staging"] = d * n
     else:
         weight_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.weights]
@@ -141,6 +143,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         if setup.weights == "nvme":
             tiers["host"]["weight pool"] = zero.offload_param.buffer_count * d * part
     tiers[grad_tier]["gradients (fp32 owned)"] = 4 * n
+    if zero.offload_optimizer.delayed_update and setup.optimizer != "none" and setup.stage < 3:
+        tiers[grad_tier]["gradients (delayed update's second buffer)"] = 4 * n
     tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else 12) * n
     if setup.optimizer == "nvme":
         per_buffer = 12 * sub_group + (4 * sub_group if grads_on_disk else 0)

@@ -9,6 +9,7 @@ each tensor's bytes follow as they are produced.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -36,8 +37,9 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
     partial = f"{path}.partial"
-    f = open(partial, "wb") if write else None
+    f = None
     try:
+        f = open(partial, "wb") if write else None
         if f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
         for (key, dtype, shape), (got_key, tensor) in zip(plan, tensors, strict=True):
@@ -48,16 +50,16 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
         if f:
             f.flush()
             os.fsync(f.fileno())
+            f.close()
+            os.replace(partial, path)
     except BaseException:
         if f:
             f.close()
-            os.unlink(partial)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
         for _ in tensors:  # let the other ranks finish the collectives behind the iterator
             pass
         raise
-    if f:
-        f.close()
-        os.replace(partial, path)
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -55,6 +55,11 @@ def test_hand_computed_offload_cases():
     assert e.disk_read_per_step == 4 * (12 + 2 * 2 * 2) * 250e6  # optimizer once, weights twice per micro-batch
     assert e.disk_written_per_step == 4 * (12 + 2) * 250e6
     assert e.pcie_bytes_per_step == 2 * 2 * 2 * 250e6 + 2 * 2 * 250e6  # gathers, then gradient parts; no upload
+    dpu = offload.Config.load({"bf16": {"enabled": True}, "zero_optimization": {
+        "reduce_bucket_size": 10_000_000, "offload_optimizer": {"device": "cpu", "delayed_update": True}}})
+    e = estimate(shape, Setup(2, "cpu"), dpu, N)
+    assert e.per_rank["host"]["gradients (delayed update's second buffer)"] == 4 * 250e6
+    assert e.per_rank["device"]["gradient buckets"] == 2 * 50_000_000  # the largest parameter has a bucket of its own
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")

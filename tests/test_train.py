@@ -103,7 +103,8 @@ def _write(tmp_path, name, text):
 
 @pytest.mark.parametrize("case", ["steps", "model", "model_json", "config_missing", "config_json", "config_key",
                                   "seq_len", "nvme_path", "config_nvme_path", "export_missing", "config_array",
-                                  "config_directory", "model_vocab", "model_bool", "out_is_a_file", "seed"])
+                                  "config_directory", "model_vocab", "model_bool", "out_is_a_file", "seed",
+                                  "export_out_directory"])
 def test_bad_input_exits_2_with_one_line(tmp_path, case):
     argv, message = {
         "steps": (["train", "--steps", "0"], "must be >= 1"),
@@ -123,8 +124,16 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "model_bool": (["train", "--model", _write(tmp_path, "b.json", '{"n_layer": true}')], "whole number"),
         "out_is_a_file": (["train", "--out", _write(tmp_path, "file", "")], "cannot create it"),
         "seed": (["train", "--seed", str(10**20)], "must be in [0, 2**32)"),
+        "export_out_directory": (["export", str(tmp_path), "--out", str(tmp_path)], "is a directory; name the file"),
     }[case]
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_largest_seed_gives_batches():
+    from offload.data import ByteBatches
+
+    data = ByteBatches(bytes(range(256)) * 64, 16, 2, seed=2**32 - 1)
+    assert data.batch(10**6, 3, 7).shape == (2, 17)

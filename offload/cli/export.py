@@ -32,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a directory; name the file to write, e.g. {args.out}/model.safetensors")
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise UserError(f"--out {args.out}: directory {parent} does not exist; create it first")

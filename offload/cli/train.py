@@ -187,7 +187,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
             rows.append(row)
             losses.append(mean_loss)
-            tiers = _tier_totals(engine.memory_report())
+            if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
+                tiers = _tier_totals(engine.memory_report())
             bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
                         f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
                         + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))

@@ -183,10 +183,12 @@ class ShardOptimizer:
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
 
-    def step(self, grads: torch.Tensor | None, grad_scale: float, out: torch.Tensor | WeightSink) -> None:
+    def step(self, grads: torch.Tensor | None, grad_scale: float, out: torch.Tensor | WeightSink,
+             hyper: AdamHyper | None = None) -> None:
         """One Adam step of the whole shard from ``grads`` (owned, fp32; None:
         the gradient sub-groups on disk, see ``add_grad``) times
-        ``grad_scale``. The new weights, in the compute dtype, go to ``out``: a
+        ``grad_scale``, with ``hyper`` (default: the current ones; a step on
+        another thread is given those of the moment it was started). The new weights, in the compute dtype, go to ``out``: a
         tensor of the owned shard's size (the kernel writes it in the same pass),
         or a sink called per sub-group with the weights of [lo, hi)."""
         self.step_count += 1
@@ -199,7 +201,7 @@ class ShardOptimizer:
             self.times.adam = time.perf_counter() - start
             return
         keys = [self._key(i) for i in range(len(self.groups))]
-        hyper = self.hyper  # one learning rate for the whole step, even if set meanwhile (delayed update)
+        hyper = hyper or self.hyper
         dtype = out.dtype
         low_precision = dtype != torch.float32
         for i, (lo, hi) in enumerate(self.groups):

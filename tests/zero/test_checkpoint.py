@@ -175,7 +175,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="rank-00000.bin: No space left on device"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "b")
     engine.close()
-    assert sorted(os.listdir(tmp_path / "ckpt")) == [".b.partial", "a", "latest"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["a", "latest"]  # the failed one's space was given back
     assert (tmp_path / "ckpt" / "latest").read_text() == "a"
     with offload.initialize(model(), case_config(2, "cpu", None, None)) as fresh:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
@@ -313,3 +313,17 @@ def test_a_bf16_run_exports_every_floating_value_in_the_asked_dtype(tmp_path):
     assert {k: v.dtype for k, v in exported.items()} == {k: torch.float32 for k in state}
     for key in state:
         assert torch.equal(exported[key], state[key]), key
+
+
+def test_another_accumulation_and_the_learning_rate_carry_over(tmp_path):
+    engine = offload.initialize(model(), case_config(2, "cpu", None, None, accumulation=4))
+    run(engine, range(2), 4)
+    engine.lr = 1.5e-3
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+    with offload.initialize(model(), case_config(2, "cpu", None, None, accumulation=2)) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert engine.global_steps == 2 and engine.micro_steps == 4 and engine.lr == 1.5e-3
+        run(engine, [2], 2)
+        assert engine.global_steps == 3
+        engine.save_checkpoint(str(tmp_path / "ckpt"))  # at a boundary of this run's accumulation

@@ -153,3 +153,26 @@ def test_a_learning_rate_schedule_matches_torch(tmp_path, stage, device, param_d
         assert max_difference(engine.state_dict(), ref) < TOLERANCE
     with pytest.raises(ValueError, match="lr must be finite"):
         engine.lr = float("nan")
+
+
+def test_with_the_delayed_update_each_step_uses_the_rate_set_before_it():
+    """The worker thread may start after the next engine.lr assignment: the
+    step must still use the rate that was set for it."""
+    import offload
+
+    cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 0})
+    with offload.initialize(make_model(), cfg) as engine:
+        used = []
+        original = engine.optimizer.step
+
+        def recording(grads, grad_scale, out, hyper=None):
+            used.append((hyper or engine.optimizer.hyper).lr)
+            original(grads, grad_scale, out, hyper)
+
+        engine.optimizer.step = recording
+        for step in range(5):
+            engine.lr = float(step + 1)
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.step()
+        engine.synchronize()
+    assert used == [1.0, 2.0, 3.0, 4.0, 5.0]

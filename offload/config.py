@@ -30,6 +30,17 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and the fix."""
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """A config file's JSON, unvalidated (for callers that adjust it before ``Config.load``)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {os.fspath(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config {os.fspath(path)!r} is not valid JSON: {exc}") from None
+
+
 def _f(default, doc: str, **bounds):
     """A config field: default, one line of documentation, bounds (ge, gt, le, lt, choices)."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
@@ -152,13 +163,7 @@ class Config:
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
-            try:
-                with open(source) as f:
-                    data = json.load(f)
-            except OSError as exc:
-                raise ConfigError(f"cannot read config {os.fspath(source)!r}: {exc.strerror}") from None
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"config {os.fspath(source)!r} is not valid JSON: {exc}") from None
+            data = read_json(source)
         elif isinstance(source, dict):
             data = source
         else:

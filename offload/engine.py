@@ -40,7 +40,7 @@ from offload.zero.stage3 import PartitionedWeights
 from offload.zero.materialize import is_meta, materialize
 from offload.zero.weights import ReplicatedWeights, owned_part
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         else:
             self.device = named[0][1].device
-        self.dtype = _DTYPES[config.compute_dtype_name]
+        self.dtype = DTYPES[config.compute_dtype_name]
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)
         offloaded = offload.device != "none"
@@ -428,8 +428,13 @@ class MemoryReport(dict):
         entry["bytes"] += current
         entry["peak_bytes"] += peak
 
-    def total(self, tier: str) -> int:
-        return sum(v["bytes"] for (kind, t), v in self.items() if t == tier)
+    def by_tier(self, which: str = "bytes") -> dict[str, int]:
+        """Totals of ``which`` ("bytes" or "peak_bytes") per tier: device, host (the pinned pools included), nvme."""
+        totals: dict[str, int] = {}
+        for (_, tier), v in self.items():
+            name = "host" if tier.startswith("host") else tier
+            totals[name] = totals.get(name, 0) + v[which]
+        return totals
 
     def __str__(self) -> str:
         lines = [f"{'what':28}{'tier':20}{'current':>14}{'peak':>14}"]

@@ -86,9 +86,7 @@ def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup):
     after = engine.disk_traffic()
     report = engine.memory_report()
     engine.close()
-    peak = {"device": 0, "host": 0, "nvme": 0}
-    for (_, tier), v in report.items():
-        peak["host" if tier.startswith("host") else tier] += v["peak_bytes"]
+    peak = {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")}
     e = estimate(ModelShape.from_gpt(c), setup, config, 1)
     for tier, measured in peak.items():
         assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)

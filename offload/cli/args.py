@@ -31,6 +31,16 @@ def count(text: str) -> int:
     return int(value)
 
 
+def output_file(text: str) -> str:
+    """A file to write: not a directory, in a directory that exists (checked before any work)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write in it")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
+    return text
+
+
 def seed(text: str) -> int:
     try:
         value = int(text)

@@ -50,10 +50,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 def load_config(path: str | None) -> Config:
     if path is None:
         return Config.load({"bf16": {"enabled": True}})
-    try:
-        return Config.load(path)
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: no such file") from None
+    return Config.load(path)  # its errors name the file and the problem
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,32 +13,24 @@ import argparse
 import os
 import time
 
-import torch
 
 from offload import checkpoint
-from offload.cli.args import UserError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from offload.cli.args import output_file
+from offload.engine import DTYPES
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("export", help="write a checkpoint's weights to a safetensors file",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory, or the save directory holding `latest`")
     p.add_argument("--tag", default=None, help="the checkpoint under CHECKPOINT to export (default: latest)")
-    p.add_argument("--out", required=True, help="the safetensors file to write")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--out", type=output_file, required=True, help="the safetensors file to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.out):
-        raise UserError(f"--out {args.out} is a directory; name the file to write, e.g. {args.out}/model.safetensors")
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {args.out}: directory {parent} does not exist; create it first")
     start = time.perf_counter()
-    manifest = checkpoint.export(args.checkpoint, args.out, _DTYPES[args.dtype], args.tag)
+    manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
     size = os.path.getsize(args.out)
     print(f"wrote {args.out}: {size / 1e6:.1f} MB, {args.dtype}, from {manifest['tag']} "
           f"(step {manifest['global_steps']}, {manifest['world_size']} ranks) in {time.perf_counter() - start:.1f} s")

@@ -24,7 +24,7 @@ import torch
 
 from offload import Config
 from offload.cli import bench_swap
-from offload.cli.args import UserError, byte_size, positive_int
+from offload.cli.args import UserError, byte_size, output_file, positive_int
 from offload.cli.estimate import add_model_arguments, model_shape
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.store import AioSettings
@@ -60,7 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--nvme-path", default=None, help="directory on the NVMe disk to consider (and measure)")
     p.add_argument("--gpus", type=positive_int, default=None, help="ranks on this node (default: the GPUs present, else 1)")
     p.add_argument("--bench-size", type=byte_size, default=256 << 20, help="bytes for the swap measurement (default 256MiB)")
-    p.add_argument("--out", default="offload_config.json", help="where to write the config (default offload_config.json)")
+    p.add_argument("--out", type=output_file, default="offload_config.json", help="where to write the config (default offload_config.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -126,9 +126,6 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[
 
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(parent):
-        raise UserError(f"--out {args.out}: directory {parent} does not exist; create it first")
     machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
     nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
     chosen = choose(shape, machine, nvme_path)

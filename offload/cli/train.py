@@ -34,6 +34,7 @@ import torch
 import offload
 from offload.cli.args import UserError, gpt_config, positive_int, seed
 from offload.cli.progress import Progress
+from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.engine import human_bytes
 from offload.models.gpt import GPT, SIZES, GPTConfig
@@ -124,14 +125,8 @@ def _engine_config(args: argparse.Namespace, scratch: str | None) -> offload.Con
     if args.config is None:
         raw = default_config(nvme)
     else:
-        try:
-            with open(args.config) as f:
-                raw = json.load(f)
-        except OSError as exc:
-            raise UserError(f"--config {args.config}: cannot read it ({exc.strerror})") from None
-        except json.JSONDecodeError as exc:
-            raise UserError(f"--config {args.config}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
+        raw = read_json(args.config)
+        if not isinstance(raw, dict):  # checked here: the overrides below need a dict
             raise UserError(f"--config {args.config}: must hold a JSON object of config keys, not a {type(raw).__name__}")
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
@@ -188,7 +183,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             rows.append(row)
             losses.append(mean_loss)
             if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
-                tiers = _tier_totals(engine.memory_report())
+                tiers = engine.memory_report().by_tier()
             bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
                         f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
                         + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
@@ -209,8 +204,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
                              for k in ("wall", "compute", "optimizer", "swap", "other")},
         "disk_bytes_per_step": {k: statistics.median(r[k] for r in measured) for k in ("bytes_read", "bytes_written")},
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
-        "bytes_per_tier": _tier_totals(report),
-        "peak_bytes_per_tier": _tier_totals(report, "peak_bytes"),
+        "bytes_per_tier": report.by_tier(),
+        "peak_bytes_per_tier": report.by_tier("peak_bytes"),
     }
 
 
@@ -226,14 +221,6 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 def _evaluate(engine, batches: list[torch.Tensor]) -> float:
     with torch.no_grad():
         return statistics.fmean(engine(b.to(engine.device)).item() for b in batches)
-
-
-def _tier_totals(report, which: str = "bytes") -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for (_, tier), v in report.items():
-        name = "host" if tier.startswith("host") else tier
-        totals[name] = totals.get(name, 0) + v[which]
-    return totals
 
 
 def _write_outputs(out_dir: str, summary: dict) -> None:

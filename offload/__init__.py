@@ -44,8 +44,9 @@ def init(config: str | os.PathLike | dict | Config | None = None):
         yield
 
 
-from offload.config import Config, ConfigError  # noqa: E402  (after __version__, for the CLI's cheap import)
+from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)
+from offload.errors import ConfigError, OffloadError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.zero.materialize import meta_device  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "Engine", "init", "initialize"]
+__all__ = ["Config", "ConfigError", "Engine", "OffloadError", "init", "initialize"]

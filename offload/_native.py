@@ -20,6 +20,8 @@ import importlib.machinery
 import os
 from dataclasses import dataclass
 
+from offload.errors import NativeError, NativeUnavailable
+
 _i64 = ctypes.c_int64
 _int = ctypes.c_int
 _dbl = ctypes.c_double
@@ -58,14 +60,6 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
 # Set OFFLOAD_DISABLE_NATIVE=1 to run the pure-PyTorch fallbacks on purpose.
 _DISABLE_ENV = "OFFLOAD_DISABLE_NATIVE"
-
-
-class NativeUnavailable(RuntimeError):
-    """The native library could not be loaded; the message says why and how to fix it."""
-
-
-class NativeError(ValueError):
-    """A native call rejected its arguments or failed; the message is the library's own."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from offload.errors import CheckpointError, StorageError, UsageError
 from offload.safetensors_file import read_safetensors, write_safetensors
 from offload.zero import comm
 
@@ -44,10 +45,6 @@ SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST = "manifest.json"
 EXTRA = "extra.safetensors"
 LATEST = "latest"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged or does not fit; the message names the path."""
 
 
 def export_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -303,11 +300,11 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict | None) -> s
     _require_step_boundary(engine, "save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not {LATEST!r})")
+        raise UsageError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not {LATEST!r})")
     try:
         client = json.loads(json.dumps(client_state or {}))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"client_state must be JSON-serialisable: {exc}") from None
+        raise UsageError(f"client_state must be JSON-serialisable: {exc}") from None
     _agree(engine.synchronize, True)  # a write-back failing on one rank must not leave the others waiting
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
@@ -336,7 +333,7 @@ def save(engine, save_dir: str, tag: str | None, client_state: dict | None) -> s
 def _require_step_boundary(engine, what: str) -> None:
     """Between optimizer steps no gradient is pending, so none is lost or mixed in."""
     if engine.micro_steps != engine.global_steps * engine.accumulation:
-        raise ValueError(f"{what} in the middle of gradient accumulation (micro-step {engine.micro_steps}, "
+        raise UsageError(f"{what} in the middle of gradient accumulation (micro-step {engine.micro_steps}, "
                          f"{engine.accumulation} per step, {engine.global_steps} steps done); call it after engine.step()")
 
 
@@ -380,7 +377,7 @@ def _write_rank(engine, partial: str) -> dict[str, list[int]]:
                 writer.write(row)
         os.fsync(fd)
     except OSError as exc:
-        raise OSError(exc.errno, f"{path}: {exc.strerror}") from None
+        raise StorageError(exc.errno, f"{path}: {exc.strerror}") from None
     finally:
         os.close(fd)
     for writer in writers:

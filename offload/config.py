@@ -23,11 +23,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from offload.errors import ConfigError
 from offload.store.aio import AioSettings
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and the fix."""
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -14,6 +14,8 @@ import sysconfig
 
 import torch
 
+from offload.errors import UsageError
+
 
 def stdlib_corpus(max_bytes: int = 8 << 20) -> bytes:
     root = sysconfig.get_paths()["stdlib"]
@@ -30,7 +32,7 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> bytes:
             if total >= max_bytes:
                 return b"".join(parts)
     if total == 0:
-        raise ValueError(f"no .py files under {root}: this Python has no standard library sources to train on")
+        raise UsageError(f"no .py files under {root}: this Python has no standard library sources to train on")
     return b"".join(parts)
 
 
@@ -46,7 +48,7 @@ class ByteBatches:
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         for name, part in (("training", self.train), ("held-out", self.eval)):
             if len(part) <= seq_len + 1:
-                raise ValueError(f"the {name} text ({len(part)} bytes) is shorter than one sequence of {seq_len + 1}")
+                raise UsageError(f"the {name} text ({len(part)} bytes) is shorter than one sequence of {seq_len + 1}")
 
     def _windows(self, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         starts = torch.randint(0, len(tokens) - self.seq_len - 1, (self.batch_size,), generator=generator)

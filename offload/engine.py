@@ -30,14 +30,15 @@ import torch
 
 from offload import checkpoint
 from offload.config import Config
+from offload.errors import ConfigError, UsageError
 from offload.safetensors_file import write_safetensors
 from offload.zero import comm
 from offload.zero.grads import GradientReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.loss_scale import LossScaler
+from offload.zero.materialize import is_meta, materialize
 from offload.zero.optimizer import ShardOptimizer
 from offload.zero.stage3 import PartitionedWeights
-from offload.zero.materialize import is_meta, materialize
 from offload.zero.weights import ReplicatedWeights, owned_part
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
@@ -67,13 +68,13 @@ class Engine:
         if config.train_batch_size is not None:
             expected = config.train_micro_batch_size_per_gpu * self.accumulation * self.world
             if config.train_batch_size != expected:
-                raise ValueError(
+                raise ConfigError(
                     f"train_batch_size {config.train_batch_size} != train_micro_batch_size_per_gpu "
                     f"{config.train_micro_batch_size_per_gpu} x gradient_accumulation_steps {self.accumulation} "
                     f"x world size {self.world} = {expected}; fix one of them")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("the model has no trainable parameters")
+            raise UsageError("the model has no trainable parameters; offload trains at least one")
         if named[0][1].is_meta:  # built under offload.init: run where the accelerator is
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         else:

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from offload.errors import UsageError
+
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
@@ -30,7 +32,7 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
     header, offset = {}, 0
     for key, dtype, shape in plan:
         if dtype not in _DTYPES:
-            raise ValueError(f"{key}: dtype {dtype} has no safetensors code")
+            raise UsageError(f"{key}: dtype {dtype} has no safetensors code")
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n

@@ -11,6 +11,7 @@ import pytest
 
 from offload import _native
 from offload.cli import main
+from offload.errors import ConfigError, SwapIOError
 
 BENCH_KEYS = {
     "offload_params_per_s", "torch_fused_params_per_s", "torch_foreach_params_per_s",
@@ -133,3 +134,28 @@ def test_bench_step_refuses_dpu_without_offload():
     proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--offload", "none", "--dpu"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--dpu needs --offload cpu or nvme" in proc.stderr
+
+
+@pytest.mark.parametrize("error,status,one_line", [
+    (ConfigError("zero_optimization.stage must be one of [1, 2, 3], got 4"), 2, True),
+    (SwapIOError("write /nvme/x.swap at offset 4096: No space left on device (errno 28)"), 1, True),
+    (ValueError("a bug somewhere"), None, False),
+    (OSError(5, "Input/output error"), None, False),
+])
+def test_only_offload_errors_become_one_line(monkeypatch, capsys, error, status, one_line):
+    """An OffloadError is the user's to fix: one line and its exit status.
+    Anything else is a bug: it propagates with its traceback."""
+    from offload.cli import export
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(export, "run", fail)
+    argv = ["export", "somewhere", "--out", "model.safetensors"]
+    if not one_line:
+        with pytest.raises(type(error)):
+            main(argv)
+        return
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert err == f"offload export: error: {error}\n"

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from offload.cli import bench_adam, bench_step, bench_swap, estimate, export, plan, train
-from offload.cli.args import UserError
+from offload.errors import OffloadError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,9 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
-    except (UserError, ValueError) as exc:
+    except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the machine, not the arguments: a full disk, a vanished directory
-        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_status

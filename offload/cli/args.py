@@ -8,11 +8,8 @@ import json
 import math
 import os
 
+from offload.errors import UsageError
 from offload.models.gpt import SIZES, GPTConfig
-
-
-class UserError(Exception):
-    """A problem with what the user asked for; printed as one line, exit status 2."""
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -85,19 +82,19 @@ def gpt_config(choice: str) -> GPTConfig:
     if choice in SIZES:
         return SIZES[choice]
     if not os.path.isfile(choice):
-        raise UserError(f"model {choice!r} is neither a bundled size ({', '.join(SIZES)}) nor a JSON file")
+        raise UsageError(f"model {choice!r} is neither a bundled size ({', '.join(SIZES)}) nor a JSON file")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     try:
         with open(choice) as f:
             values = json.load(f)
     except json.JSONDecodeError as exc:
-        raise UserError(f"model {choice}: not valid JSON ({exc})") from None
+        raise UsageError(f"model {choice}: not valid JSON ({exc})") from None
     unknown = set(values) - fields if isinstance(values, dict) else {"(not an object)"}
     if unknown:
-        raise UserError(f"model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
+        raise UsageError(f"model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values.values()):
-        raise UserError(f"model {choice}: every value must be a whole number >= 1")
+        raise UsageError(f"model {choice}: every value must be a whole number >= 1")
     c = GPTConfig(**values)
     if c.n_embd % c.n_head:
-        raise UserError(f"model {choice}: n_embd {c.n_embd} must be a multiple of n_head {c.n_head}")
+        raise UsageError(f"model {choice}: n_embd {c.n_embd} must be a multiple of n_head {c.n_head}")
     return c

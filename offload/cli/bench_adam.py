@@ -23,7 +23,8 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import UserError, count, positive_int
+from offload.cli.args import count, positive_int
+from offload.errors import UsageError
 from offload.optim.adam import AdamHyper, adam_step, available_cores
 
 # Bytes each element moves in one step (Note [bit-identical Adam] reads p, m, v, g and writes p, m, v).
@@ -55,12 +56,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
-        raise UserError(f"the native library is unavailable, nothing to benchmark: {_native.status().reason}")
+        raise UsageError(f"the native library is unavailable, nothing to benchmark: {_native.status().reason}")
     threads = args.threads or available_cores()
     needed = BYTES_PER_PARAM_HELD * args.params
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
-        raise UserError(f"--params {args.params:,} needs about {needed / 1e9:.1f} GB of RAM for every contender's "
+        raise UsageError(f"--params {args.params:,} needs about {needed / 1e9:.1f} GB of RAM for every contender's "
                         f"buffers, {available / 1e9:.1f} GB is available; pass a smaller --params")
     result = measure(args.params, threads, args.rounds, progress=sys.stderr.isatty())
     print(json.dumps(result, indent=2) if args.json else report(result))

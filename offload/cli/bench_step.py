@@ -28,8 +28,9 @@ import torch
 import offload
 from offload import _native
 from offload.cli import bench_swap
-from offload.cli.args import UserError, positive_int
+from offload.cli.args import positive_int
 from offload.cli.progress import Progress
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 from offload.store import AioSettings
 
@@ -55,11 +56,11 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
-        raise UserError(f"the native library is unavailable: {_native.status().reason}")
+        raise UsageError(f"the native library is unavailable: {_native.status().reason}")
     if args.dpu and args.offload == "none":
-        raise UserError("--dpu needs --offload cpu or nvme: the delayed update overlaps the CPU step")
+        raise UsageError("--dpu needs --offload cpu or nvme: the delayed update overlaps the CPU step")
     if args.offload_param != "none" and args.stage != 3:
-        raise UserError("--offload-param needs --stage 3 (only stage 3 partitions the weights)")
+        raise UsageError("--offload-param needs --stage 3 (only stage 3 partitions the weights)")
     with tempfile.TemporaryDirectory(prefix="offload-bench-step-", dir=args.nvme_path) as nvme:
         result = {"model": args.model, "params": SIZES[args.model].params(), "offload": args.offload,
                   "stage": args.stage, "offload_param": args.offload_param}

@@ -30,8 +30,9 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import UserError, positive_int
+from offload.cli.args import positive_int
 from offload.cli.progress import Progress
+from offload.errors import UsageError
 from offload.store import AioSettings, TieredStore
 
 MiB = 1 << 20
@@ -82,9 +83,9 @@ def _binary(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
-        raise UserError(f"the native library is unavailable: {_native.status().reason}")
+        raise UsageError(f"the native library is unavailable: {_native.status().reason}")
     if not os.path.isdir(args.path):
-        raise UserError(f"--path {args.path!r} is not an existing directory; create it or pick another")
+        raise UsageError(f"--path {args.path!r} is not an existing directory; create it or pick another")
     size = args.size or (256 * MiB if args.sweep else 1 << 30)
     _check_room(args.path, size)
     settings = AioSettings(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads,
@@ -268,9 +269,9 @@ def report(r: dict) -> str:
 def _check_room(path: str, size: int) -> None:
     free = shutil.disk_usage(path).free
     if free < size * 1.1:
-        raise UserError(f"{path} has {free / 1e9:.1f} GB free; --size {size / 1e9:.1f} GB needs {size * 1.1 / 1e9:.1f} GB; pass a smaller --size")
+        raise UsageError(f"{path} has {free / 1e9:.1f} GB free; --size {size / 1e9:.1f} GB needs {size * 1.1 / 1e9:.1f} GB; pass a smaller --size")
     available = psutil.virtual_memory().available
     if available < size * 1.5:
-        raise UserError(f"--size {size / 1e9:.1f} GB needs about {size * 1.5 / 1e9:.1f} GB of free RAM for buffers, "
+        raise UsageError(f"--size {size / 1e9:.1f} GB needs about {size * 1.5 / 1e9:.1f} GB of free RAM for buffers, "
                         f"{available / 1e9:.1f} GB is available; pass a smaller --size")
 

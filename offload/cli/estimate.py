@@ -15,7 +15,8 @@ import argparse
 import json
 
 from offload import Config
-from offload.cli.args import UserError, byte_size, count, gpt_config, positive_int
+from offload.cli.args import byte_size, count, gpt_config, positive_int
+from offload.errors import UsageError
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 
 
@@ -55,7 +56,7 @@ def load_config(path: str | None) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     if args.gpus % args.nodes:
-        raise UserError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the same GPUs per node")
+        raise UsageError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the same GPUs per node")
     shape, config = model_shape(args), load_config(args.config)
     rows = []
     for setup in all_setups(args.stage):

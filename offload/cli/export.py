@@ -13,10 +13,10 @@ import argparse
 import os
 import time
 
-
 from offload import checkpoint
 from offload.cli.args import output_file
 from offload.engine import DTYPES
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("export", help="write a checkpoint's weights to a safetensors file",

@@ -24,8 +24,9 @@ import torch
 
 from offload import Config
 from offload.cli import bench_swap
-from offload.cli.args import UserError, byte_size, output_file, positive_int
+from offload.cli.args import byte_size, output_file, positive_int
 from offload.cli.estimate import add_model_arguments, model_shape
+from offload.errors import UsageError
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.store import AioSettings
 
@@ -72,7 +73,7 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     machine = Machine(count, gpu_mem, psutil.virtual_memory().available, None)
     if nvme_path is not None:
         if not os.path.isdir(nvme_path):
-            raise UserError(f"--nvme-path {nvme_path!r} is not a directory; create it first")
+            raise UsageError(f"--nvme-path {nvme_path!r} is not a directory; create it first")
         machine.nvme_free = shutil.disk_usage(nvme_path).free
         with tempfile.TemporaryDirectory(prefix="offload-plan-", dir=nvme_path) as scratch:
             speed = bench_swap.measure(scratch, min(bench_size, machine.nvme_free // 4), AioSettings())

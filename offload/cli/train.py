@@ -32,11 +32,12 @@ import time
 import torch
 
 import offload
-from offload.cli.args import UserError, gpt_config, positive_int, seed
+from offload.cli.args import gpt_config, positive_int, seed
 from offload.cli.progress import Progress
 from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.engine import human_bytes
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES, GPTConfig
 from offload.zero import comm
 
@@ -64,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
     model_config = gpt_config(args.model)
     seq_len = args.seq_len or model_config.block_size
     if seq_len > model_config.block_size:
-        raise UserError(f"--seq-len {seq_len} exceeds the model's block_size {model_config.block_size}; lower it")
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's block_size {model_config.block_size}; lower it")
     if model_config.vocab_size < 256:
-        raise UserError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
+        raise UsageError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
                         f"so the model needs a vocabulary of at least 256")
     scratch = tempfile.mkdtemp(prefix="offload-train-") if args.nvme_path is None else None
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -96,7 +97,7 @@ def _make_out_dir(out_dir: str) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)  # now, not after the run
     except OSError as exc:
-        raise UserError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
+        raise UsageError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
 
 
 def _init_distributed() -> None:
@@ -127,7 +128,7 @@ def _engine_config(args: argparse.Namespace, scratch: str | None) -> offload.Con
     else:
         raw = read_json(args.config)
         if not isinstance(raw, dict):  # checked here: the overrides below need a dict
-            raise UserError(f"--config {args.config}: must hold a JSON object of config keys, not a {type(raw).__name__}")
+            raise UsageError(f"--config {args.config}: must hold a JSON object of config keys, not a {type(raw).__name__}")
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
         raw.pop("train_batch_size", None)  # recomputed from the micro batch
@@ -140,10 +141,10 @@ def _engine_config(args: argparse.Namespace, scratch: str | None) -> offload.Con
         if args.nvme_path is not None or not section.get("nvme_path"):
             section["nvme_path"] = nvme
         elif not os.path.isdir(section["nvme_path"]):
-            raise UserError(f"zero_optimization.{key}.nvme_path {section['nvme_path']!r} is not a directory; "
+            raise UsageError(f"zero_optimization.{key}.nvme_path {section['nvme_path']!r} is not a directory; "
                             f"create it, edit the config, or pass --nvme-path DIR")
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
-        raise UserError(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")
+        raise UsageError(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")
     return offload.Config.load(raw)
 
 

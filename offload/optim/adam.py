@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import _native
+from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -51,7 +52,7 @@ class AdamHyper:
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise UsageError(message)
 
 
 def available_cores() -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from offload.errors import UsageError
 from offload.optim.adam import MAX_THREADS, AdamHyper, adam_step, available_cores
 
 
@@ -37,7 +38,7 @@ class CPUAdam(torch.optim.Optimizer):
         )
         _hyper(defaults)  # fail at construction, not at the first step
         if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_THREADS):
-            raise ValueError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
+            raise UsageError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
         self.threads = threads or available_cores()
         super().__init__(params, defaults)
 
@@ -63,7 +64,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise ValueError("CPUAdam does not support sparse gradients")
+                    raise UsageError("CPUAdam does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -80,7 +81,7 @@ class CPUAdam(torch.optim.Optimizer):
 def _hyper(group: dict[str, Any]) -> AdamHyper:
     for unsupported in ("amsgrad", "maximize"):
         if group.get(unsupported):
-            raise ValueError(f"CPUAdam does not implement {unsupported}=True (found in a param group); set it to False")
+            raise UsageError(f"CPUAdam does not implement {unsupported}=True (found in a param group); set it to False")
     beta1, beta2 = group["betas"]
     return AdamHyper(
         lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),

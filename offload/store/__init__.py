@@ -1,9 +1,9 @@
 """The tiered store: named shards in host memory or swap files, moved asynchronously."""
 
-from offload.store.aio import AioSettings, SwapIOError
-from offload.store.pool import PinnedPool, PoolExhausted
-from offload.store.shard_file import CorruptShard
-from offload.store.tiered import ShardLost, State, Tier, TieredStore
+from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError
+from offload.store.aio import AioSettings
+from offload.store.pool import PinnedPool
+from offload.store.tiered import State, Tier, TieredStore
 
 __all__ = [
     "AioSettings", "CorruptShard", "PinnedPool", "PoolExhausted", "ShardLost", "State", "SwapIOError", "Tier",

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from offload import _native
+from offload.errors import ConfigError, SwapIOError
 from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT
 
 READ, WRITE = 0, 1
@@ -34,10 +35,6 @@ BACKENDS = ("native", "aiofiles")
 
 # native/aio.cpp OpenMode
 _DIRECT, _REFUSED, _RAMFS = 1, 2, 3
-
-
-class SwapIOError(OSError):
-    """A read or write of a swap file failed; the message names file and offset."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +49,13 @@ class AioSettings:
 
     def __post_init__(self) -> None:
         if self.block_size < 4096 or self.block_size % 4096:
-            raise ValueError(f"aio.block_size must be a positive multiple of 4096 bytes, got {self.block_size}")
+            raise ConfigError(f"aio.block_size must be a positive multiple of 4096 bytes, got {self.block_size}")
         if self.queue_depth < 1:
-            raise ValueError(f"aio.queue_depth must be >= 1, got {self.queue_depth}")
+            raise ConfigError(f"aio.queue_depth must be >= 1, got {self.queue_depth}")
         if self.thread_count < 1:
-            raise ValueError(f"aio.thread_count must be >= 1, got {self.thread_count}")
+            raise ConfigError(f"aio.thread_count must be >= 1, got {self.thread_count}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"aio backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ConfigError(f"aio.backend must be one of {BACKENDS}, got {self.backend!r}")
 
     @classmethod
     def from_dict(cls, block: dict) -> AioSettings:
@@ -71,9 +68,9 @@ class AioSettings:
                  "overlap_events", "use_direct", "backend"}
         unknown = sorted(set(block) - known)
         if unknown:
-            raise ValueError(f"aio: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+            raise ConfigError(f"aio: unknown key(s) {unknown}; valid keys are {sorted(known)}")
         if "thread_count" in block and "intra_op_parallelism" in block and block["thread_count"] != block["intra_op_parallelism"]:
-            raise ValueError("aio: thread_count and intra_op_parallelism are synonyms but differ; give one")
+            raise ConfigError("aio: thread_count and intra_op_parallelism are synonyms but differ; give one")
         fields = {k: block[k] for k in ("block_size", "queue_depth", "thread_count", "use_direct", "backend") if k in block}
         if "intra_op_parallelism" in block:
             fields["thread_count"] = block["intra_op_parallelism"]
@@ -184,7 +181,7 @@ class NativeEngine:
         self.use_direct = settings.use_direct
         self._engine = library.offload_aio_create(settings.block_size, settings.queue_depth, settings.thread_count)
         if not self._engine:
-            raise ValueError(_native.last_error())
+            raise ConfigError(_native.last_error())
 
     @property
     def kernel_aio_workers(self) -> int:

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.errors import ConfigError, PoolExhausted
+
 ALIGN = 4096
-
-
-class PoolExhausted(MemoryError):
-    """The pinned pool's cap would be passed; the message names the setting."""
 
 
 @dataclass(eq=False)
@@ -38,7 +36,7 @@ class Buffer:
 class PinnedPool:
     def __init__(self, limit_bytes: int, setting: str = "pinned_limit_bytes", pin: bool | None = None) -> None:
         if limit_bytes < ALIGN:
-            raise ValueError(f"{setting} must be at least {ALIGN} bytes, got {limit_bytes}")
+            raise ConfigError(f"{setting} must be at least {ALIGN} bytes, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self.setting = setting
         self.pin = torch.cuda.is_available() if pin is None else pin

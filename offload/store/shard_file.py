@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import _native
+from offload.errors import CorruptShard, UsageError
 
 MAGIC = b"OFLDSHRD"
 FORMAT_VERSION = 1
@@ -38,10 +39,6 @@ DTYPE_CODES = {
     torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9,
 }
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-
-class CorruptShard(IOError):
-    """A swap file failed its checks; the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +60,9 @@ class ShardMeta:
     @staticmethod
     def of(tensor: torch.Tensor) -> ShardMeta:
         if tensor.dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {tensor.dtype} cannot be swapped; supported: {sorted(map(str, DTYPE_CODES))}")
+            raise UsageError(f"dtype {tensor.dtype} cannot be swapped; supported: {sorted(map(str, DTYPE_CODES))}")
         if tensor.dim() > MAX_DIMS:
-            raise ValueError(f"a swapped tensor may have at most {MAX_DIMS} dimensions, got {tensor.dim()}")
+            raise UsageError(f"a swapped tensor may have at most {MAX_DIMS} dimensions, got {tensor.dim()}")
         return ShardMeta(tuple(tensor.shape), tensor.dtype)
 
 

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError, UsageError
 from offload.store import shard_file
-from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, SwapIOError, make_engine
-from offload.store.pool import Buffer, PinnedPool, PoolExhausted
-from offload.store.shard_file import HEADER_BYTES, CorruptShard, ShardMeta
+from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, make_engine
+from offload.store.pool import Buffer, PinnedPool
+from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
 
 class Tier(str, enum.Enum):
@@ -48,10 +49,6 @@ class State(enum.Enum):
     RESIDENT = "resident"
     WRITING = "writing"
     FAILED = "failed"
-
-
-class ShardLost(IOError):
-    """A shard's data is gone (its write failed, or its file failed the checks)."""
 
 
 @dataclass(eq=False)
@@ -399,7 +396,7 @@ class TieredStore:
 
     def _require_engine(self, key: str) -> FileEngine:
         if self.engine is None:
-            raise ValueError(f"shard {key!r} asks for tier 'nvme' but the store has no nvme_path; set nvme_path")
+            raise UsageError(f"shard {key!r} asks for tier 'nvme' but the store has no nvme_path; set nvme_path")
         return self.engine
 
 
@@ -418,6 +415,6 @@ def _preallocate(file: SwapFile, nbytes: int) -> None:
 
 def _check_directory(path: str) -> None:
     if not os.path.isdir(path):
-        raise ValueError(f"nvme_path {path!r} is not an existing directory; create it or point nvme_path elsewhere")
+        raise UsageError(f"nvme_path {path!r} is not an existing directory; create it or point nvme_path elsewhere")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another")
+        raise UsageError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another")

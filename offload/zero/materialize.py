@@ -20,13 +20,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from offload.errors import UsageError
+
 
 def default_init(module: torch.nn.Module) -> None:
     owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
     if not owns:
         return
     if not hasattr(module, "reset_parameters"):
-        raise ValueError(f"{type(module).__name__} has its own parameters or buffers but no reset_parameters(), so a "
+        raise UsageError(f"{type(module).__name__} has its own parameters or buffers but no reset_parameters(), so a "
                          "meta-built copy cannot be initialised; pass init_fn to offload.initialize")
     module.reset_parameters()
 

@@ -17,12 +17,16 @@ import os
 __version__ = "0.1.0"
 
 
-def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None) -> Engine:
+def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *,
+               nvme_path: str | os.PathLike | None = None) -> Engine:
     """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
     meta device when built under ``offload.init``) in an Engine configured by a
     DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
-    a meta-built module's own parameters (default: its ``reset_parameters``)."""
-    return Engine(model, Config.load(config), init_fn)
+    a meta-built module's own parameters (default: its ``reset_parameters``).
+    ``nvme_path`` replaces every ``nvme_path`` of the config (a shipped config
+    names ``/local_nvme``; point it at a directory on this machine's disk)."""
+    config = Config.load(config)
+    return Engine(model, config if nvme_path is None else config.with_nvme_path(nvme_path), init_fn)
 
 
 @contextlib.contextmanager

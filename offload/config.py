@@ -60,7 +60,8 @@ class AdamParams:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    type: str = _f("AdamW", "Adam or AdamW (others are refused)", choices=("Adam", "AdamW"))
+    type: str = _f("AdamW", "Adam or AdamW, in any case as DeepSpeed reads it (others are refused)",
+                   choices=("Adam", "AdamW"), any_case=True)
     params: AdamParams = _f(AdamParams(), "the optimizer's hyper-parameters")
 
     def __post_init__(self) -> None:
@@ -79,8 +80,9 @@ class FP16Config:
     loss_scale: float = _f(0.0, "static loss scale; 0 means dynamic", ge=0)
     initial_scale_power: int = _f(16, "dynamic scaling starts at 2**this", ge=0, le=64)
     loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", ge=1)
-    hysteresis: int = _f(2, "overflows tolerated before the scale halves", ge=1)
-    min_loss_scale: float = _f(1.0, "the scale never goes below this", gt=0)
+    hysteresis: int = _f(2, "overflows absorbed before the scale starts halving", ge=1)
+    consecutive_hysteresis: bool = _f(False, "refill the hysteresis budget after every clean step, not only when the scale grows")
+    min_loss_scale: float = _f(1.0, "the scale never goes below this; an overflow there stops training", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +105,9 @@ class OffloadParamConfig:
     nvme_path: str | None = _f(None, "directory for weight swap files (device nvme)")
     pin_memory: bool = _f(True, "pin host buffers when CUDA is available")
     buffer_count: int = _f(5, "host buffers for weights read ahead or in use at once", ge=1)
-    buffer_size: int = _f(100_000_000, "elements per host weight buffer (at least the largest parameter part)", ge=1)
-    max_in_cpu: int = _f(1_000_000_000, "accepted; the pool cap (buffer_count x buffer_size) bounds host memory", ge=0)
+    buffer_size: int = _f(100_000_000, "checked to hold the largest parameter part; buffers are sized to the parts", ge=1)
+    max_in_cpu: int = _f(1_000_000_000, "device nvme: the first parameters' parts, up to this many elements, stay in host "
+                         "memory instead of swap files (as in DeepSpeed)", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,12 +115,13 @@ class ZeroConfig:
     stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3))
     sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
-    overlap_comm: bool = _f(False, "accepted; collectives run synchronously in this version")
-    contiguous_gradients: bool = _f(True, "accepted; gradients are always copied into contiguous buckets")
+    overlap_comm: bool = _f(False, "true is warned about: collectives run synchronously in this version")
+    contiguous_gradients: bool = _f(True, "gradients are always copied into contiguous buckets; false is warned about")
     offload_optimizer: OffloadOptimizerConfig = _f(OffloadOptimizerConfig(), "optimizer state tier")
     offload_param: OffloadParamConfig = _f(OffloadParamConfig(), "stage 3: weight partition tier")
-    stage3_prefetch_bucket_size: int = _f(50_000_000, "stage 3: elements read ahead from the weight tier", ge=0)
-    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: bound on read-ahead plus gathered elements", ge=1)
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "stage 3, weights on nvme: elements read ahead, in the recorded order", ge=0)
+    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: read-ahead stops where gathered plus read-ahead "
+                                         "elements would pass this (the running module is gathered regardless)", ge=1)
     stage3_param_persistence_threshold: int = _f(100_000, "stage 3: parameters this small stay gathered", ge=0)
 
     def __post_init__(self) -> None:
@@ -166,11 +170,22 @@ class Config:
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
         tuning: list[str] = []
-        config = _build(Config, data, "", tuning)
-        if tuning:
-            warnings.warn("offload: these DeepSpeed keys tune DeepSpeed's own internals and have no effect here: "
-                          + ", ".join(sorted(tuning)), UserWarning, stacklevel=2)
+        given: set[str] = set()
+        config = _build(Config, data, "", tuning, given)
+        idle = [f"{', '.join(sorted(tuning))} (they tune DeepSpeed's own internals)"] if tuning else []
+        idle += [f"{key} ({why})" for key, why in _without_effect(config, given)]
+        if idle:
+            warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=2)
         return config
+
+    def with_nvme_path(self, path: "str | os.PathLike") -> "Config":
+        """This config with every ``nvme_path`` set to ``path``: for a config
+        written for another machine's disks."""
+        z = self.zero_optimization
+        path = os.fspath(path)
+        return dataclasses.replace(self, zero_optimization=dataclasses.replace(
+            z, offload_optimizer=dataclasses.replace(z.offload_optimizer, nvme_path=path),
+            offload_param=dataclasses.replace(z.offload_param, nvme_path=path)))
 
     @property
     def compute_dtype_name(self) -> str:
@@ -186,7 +201,7 @@ TUNING_KEYS = {
                           "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_reuse_distance",
                           "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
     "zero_optimization.offload_optimizer": {"fast_init"},
-    "fp16": {"consecutive_hysteresis"},
+    "aio": {"single_submit", "overlap_events"},  # the native engine always batches submissions and reaps while submitting
 }
 
 # DeepSpeed keys whose meaning this engine does not implement: errors that say so.
@@ -203,12 +218,50 @@ REFUSED_KEYS = {
     "fp16": {"auto_cast": "compute dtype follows the model's parameters; auto_cast is not implemented"},
 }
 
-def _build(cls, data: Any, path: str, tuning: list[str]):
+def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
+    """(key, why) for each key the user set that does nothing in this setup."""
+    z, oo, op = c.zero_optimization, c.zero_optimization.offload_optimizer, c.zero_optimization.offload_param
+    no_nvme = oo.device != "nvme" and op.device != "nvme"
+    rules = [
+        ("zero_optimization.overlap_comm", z.overlap_comm, "collectives run synchronously in this version"),
+        ("zero_optimization.contiguous_gradients", not z.contiguous_gradients, "gradients are always copied into contiguous buckets"),
+        ("zero_optimization.reduce_bucket_size", z.stage == 3, "stage 3 reduces each parameter's gradient on its own"),
+        ("zero_optimization.stage3_param_persistence_threshold", z.stage < 3, "it needs stage 3"),
+        ("zero_optimization.stage3_prefetch_bucket_size", z.stage < 3 or op.device != "nvme",
+         "only stage 3 weights on nvme are read ahead"),
+        ("zero_optimization.stage3_max_live_parameters", z.stage < 3 or op.device != "nvme",
+         "it bounds the read-ahead of stage 3 weights on nvme"),
+        ("zero_optimization.offload_param.buffer_size", True, "buffers are sized to each parameter's part; "
+         "the value is only checked to hold the largest"),
+        ("zero_optimization.offload_param.buffer_count", op.device != "nvme", "host weight buffers serve device nvme only"),
+        ("zero_optimization.offload_param.max_in_cpu", op.device != "nvme", "it needs offload_param.device nvme"),
+        ("zero_optimization.offload_param.nvme_path", op.device != "nvme", "offload_param.device is not nvme"),
+        ("zero_optimization.offload_optimizer.nvme_path", oo.device != "nvme", "offload_optimizer.device is not nvme"),
+        ("zero_optimization.offload_optimizer.buffer_count", oo.device != "nvme", "it sizes the nvme pipeline"),
+        ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
+        ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
+        ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
+    ]
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                "min_loss_scale"):
+        dynamic_only = key != "loss_scale" and c.fp16.loss_scale != 0
+        rules.append((f"fp16.{key}", not c.fp16.enabled or dynamic_only,
+                      "fp16 is not enabled" if not c.fp16.enabled else "the loss scale is static (fp16.loss_scale > 0)"))
+    for key in ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_direct"):
+        ignored = c.aio.backend == "aiofiles" and key != "block_size"
+        rules.append((f"aio.{key}", no_nvme or ignored, "no tier is on nvme" if no_nvme else
+                      "the aiofiles backend is buffered and moves one chunk at a time"))
+    return [(key, why) for key, applies, why in rules if applies and key in given]
+
+
+def _build(cls, data: Any, path: str, tuning: list[str], given: set[str]):
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'the config'} must be a JSON object, got {type(data).__name__}")
     if cls is AioSettings:
+        given.update(f"{path}.{key}" for key in data)
+        tuning.extend(f"{path}.{key}" for key in data if key in TUNING_KEYS[path])
         try:
-            return AioSettings.from_dict(data)
+            return AioSettings.from_dict({k: v for k, v in data.items() if k not in TUNING_KEYS[path]})
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
     hints = typing.get_type_hints(cls)
@@ -225,7 +278,8 @@ def _build(cls, data: Any, path: str, tuning: list[str]):
             near = difflib.get_close_matches(key, list(fields) + sorted(TUNING_KEYS.get(path, ())), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
             raise ConfigError(f"unknown key {where!r}{hint}")
-        values[key] = _value(hints[key], fields[key], value, where, tuning)
+        given.add(where)
+        values[key] = _value(hints[key], fields[key], value, where, tuning, given)
     try:
         return cls(**values)
     except ConfigError:
@@ -234,9 +288,9 @@ def _build(cls, data: Any, path: str, tuning: list[str]):
         raise ConfigError(f"{path or 'config'}: {exc}") from None
 
 
-def _value(hint, f, value, where: str, tuning: list[str]):
+def _value(hint, f, value, where: str, tuning: list[str], given: set[str]):
     if dataclasses.is_dataclass(hint) or hint is AioSettings:
-        return _build(hint, value, where, tuning)
+        return _build(hint, value, where, tuning, given)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
@@ -264,6 +318,8 @@ def _value(hint, f, value, where: str, tuning: list[str]):
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
     meta = f.metadata
+    if meta.get("any_case"):
+        value = next((c for c in meta["choices"] if c.lower() == value.lower()), value)
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"{where} must be one of {list(meta['choices'])}, got {value!r}")
     for bound, ok, words in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),

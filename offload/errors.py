@@ -17,6 +17,7 @@ knowing offload (``ValueError``, ``OSError``, ``MemoryError``).
     ├── PoolExhausted    a pinned pool's cap would be passed       (MemoryError)
     ├── NativeUnavailable  the native library could not be loaded   (RuntimeError)
     ├── NativeError      a native call refused its arguments        (ValueError)
+    ├── LossScaleError   fp16 overflowed at the minimum loss scale  (RuntimeError)
     └── StorageError     a swap file or its disk failed            (OSError), exit 1
         ├── SwapIOError  a read or write of a swap file
         ├── CorruptShard a swap file that fails its checks
@@ -54,6 +55,10 @@ class NativeUnavailable(OffloadError, RuntimeError):
 
 class NativeError(OffloadError, ValueError):
     """A native call rejected its arguments or failed; the message is the library's own."""
+
+
+class LossScaleError(OffloadError, RuntimeError):
+    """fp16 training overflowed at the minimum loss scale and cannot go on."""
 
 
 class StorageError(OffloadError, OSError):

@@ -13,30 +13,38 @@ Two levels:
 
 Note [estimate terms]
 Per rank, with P parameters, N ranks, n = P / N owned elements, d compute
-bytes (2 for bf16/fp16, 4 for fp32), a accumulation steps:
+bytes (2 for bf16/fp16, 4 for fp32), g owned-gradient bytes (d at stage 1 or
+without accumulation, else 4: Note [owned gradient dtype]), a accumulation
+steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
+swap files of b bytes be in flight (``store.pool_bytes``):
   weights        stages 1-2: d*P on the accelerator (replicated);
-                 stage 3: d*n in the weight tier, plus gathered weights on the
-                 accelerator: stage3_max_live_parameters plus one module (the
-                 largest parameter stands for it)
+                 stage 3: d*n in the weight tier (with weights on nvme, the
+                 first max_in_cpu elements in host memory instead), plus, on
+                 the accelerator, the persistent parameters and the module
+                 being run (the largest parameter stands for it), plus a
+                 handover buffer of d*s where the optimizer produces new
+                 weights. Read-ahead lives in the weight pool, whose cap is
+                 counted: stage3_max_live_parameters only bounds how much of
+                 it fills
   gradients      stage 1: d*P flat buffer; stage 2: one bucket of
                  reduce_bucket_size, or the largest parameter if larger (a
                  weight shared by distant layers can keep a second one open);
-                 stage 3: one parameter; then the fp32 owned gradient 4*n
+                 stage 3: one parameter; then the owned gradient g*n
                  (accelerator when the optimizer is there, host when
-                 offloaded, disk with gradients_on_nvme), twice with the
-                 delayed update (one buffer fills while the other is applied)
+                 offloaded, disk with gradients_on_nvme, plus a pool(g*s,
+                 buffer_count)), twice with the delayed update (one buffer
+                 fills while the other is applied)
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
-                 gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus a
-                 pinned pool of buffer_count sub-groups of 12 bytes per element
-  weight pool    stage 3 weights on nvme: buffer_count parts of the largest
-                 parameter, host
+                 gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus
+                 pool(12*s, buffer_count)
+  weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
 once; stage 3 weights in cpu/nvme go up twice per micro-batch (forward and
 backward gathers); the optimizer on nvme reads and writes 12*n, gradients on
-nvme 4*n each way per micro-batch, weights on nvme are read twice per
-micro-batch and written once.
+nvme g*n each way per micro-batch; the weights on disk (those beyond
+max_in_cpu) are read twice per micro-batch and written once.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 
 from offload.config import Config
 from offload.models.gpt import GPTConfig
+from offload.store import pool_bytes
 
 TIERS = ("device", "host", "nvme")
 
@@ -56,10 +65,16 @@ class ModelShape:
     params: int
     largest: int  # elements of the largest parameter (sizes stage 3's per-parameter buffers)
     source: str  # how the shape was obtained, for the report
+    sizes: tuple[int, ...] = ()  # every parameter's elements, where known
+
+    def persistent(self, threshold: int) -> int:
+        """Elements of the parameters stage 3 keeps gathered (at most ``threshold`` elements each)."""
+        return sum(n for n in self.sizes if n <= threshold)
 
     @staticmethod
     def from_gpt(c: GPTConfig) -> ModelShape:
-        return ModelShape(c.params(), max(c.vocab_size * c.n_embd, 4 * c.n_embd * c.n_embd), "model config")
+        sizes = c.param_sizes()
+        return ModelShape(sum(sizes), max(sizes), "model config", tuple(sizes))
 
     @staticmethod
     def from_count(params: int) -> ModelShape:
@@ -67,7 +82,9 @@ class ModelShape:
         layers (GPT-3's aspect ratio); the shape only sizes per-parameter buffers."""
         layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
         hidden = 128 * layers
-        return ModelShape(params, 4 * hidden * hidden, f"assumed GPT-like, hidden {hidden}")
+        c = GPTConfig(n_layer=layers, n_head=layers, n_embd=hidden, block_size=2048, vocab_size=50257)
+        sizes = c.param_sizes()
+        return ModelShape(params, max(sizes), f"assumed GPT-like, hidden {hidden}", tuple(sizes))
 
 
 def zero_model_states(params: int, gpus: int, optimizer_bytes: int = 12, weight_bytes: int = 2) -> dict[str, float]:
@@ -122,6 +139,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     zero = config.zero_optimization
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
+    g = d if setup.stage == 1 or a == 1 else 4
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)
@@ -129,26 +147,38 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     grads_on_disk = zero.offload_optimizer.gradients_on_nvme and setup.optimizer == "nvme"
     tiers: dict[str, dict[str, float]] = {t: {} for t in TIERS}
     optimizer_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.optimizer]
-    grad_tier = "nvme" if grads_on_disk else "device" if setup.optimizer == "none" else "host"
+    beside_optimizer = "device" if setup.optimizer == "none" else "host"
+    grad_tier = "nvme" if grads_on_disk else beside_optimizer
+    weights_on_disk = 0.0  # elements of this rank's weight partition in swap files
 
     if setup.stage < 3:
         tiers["device"]["weights"] = d * P
         tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else max(min(zero.reduce_bucket_size, P), shape.largest))
-        tiers["device" if setup.optimizer == "none" else "host"]["staging"] = d * n
+        tiers[beside_optimizer]["staging"] = d * n
     else:
-        weight_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.weights]
-        tiers[weight_tier]["weights (partition)"] = d * n
-        tiers["device"]["weights (gathered)"] = d * min(zero.stage3_max_live_parameters + shape.largest, P)
-        tiers["device"]["gradient buckets"] = d * shape.largest
         if setup.weights == "nvme":
-            tiers["host"]["weight pool"] = zero.offload_param.buffer_count * d * part
-    tiers[grad_tier]["gradients (fp32 owned)"] = 4 * n
+            in_cpu = min(n, zero.offload_param.max_in_cpu)
+            weights_on_disk = n - in_cpu
+            if in_cpu:
+                tiers["host"]["weights (partition)"] = d * in_cpu
+            if weights_on_disk:
+                tiers["nvme"]["weights (partition)"] = d * weights_on_disk
+                tiers["host"]["weight pool"] = pool_bytes([d * part], zero.offload_param.buffer_count)
+        else:
+            tiers["device" if setup.weights == "none" else "host"]["weights (partition)"] = d * n
+        persistent = shape.persistent(zero.stage3_param_persistence_threshold)
+        running = shape.largest if shape.largest > zero.stage3_param_persistence_threshold else 0
+        tiers["device"]["weights (gathered)"] = d * min(persistent + running, P)
+        tiers[beside_optimizer]["weights (handover buffer)"] = d * sub_group
+        tiers["device"]["gradient buckets"] = d * shape.largest
+    tiers[grad_tier]["gradients (owned)"] = g * n
+    if grads_on_disk:
+        tiers["host"]["gradient pool"] = pool_bytes([g * sub_group], zero.offload_optimizer.buffer_count)
     if zero.offload_optimizer.delayed_update and setup.optimizer != "none" and setup.stage < 3:
-        tiers[grad_tier]["gradients (delayed update's second buffer)"] = 4 * n
+        tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * n
     tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else 12) * n
     if setup.optimizer == "nvme":
-        per_buffer = 12 * sub_group + (4 * sub_group if grads_on_disk else 0)
-        tiers["host"]["optimizer pool"] = zero.offload_optimizer.buffer_count * per_buffer
+        tiers["host"]["optimizer pool"] = pool_bytes([12 * sub_group], zero.offload_optimizer.buffer_count)
 
     offloaded = setup.optimizer != "none"
     pcie = 0.0
@@ -166,11 +196,10 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         read += 12 * n
         written += 12 * n
         if grads_on_disk:
-            read += 4 * n * a
-            written += 4 * n * a
-    if setup.stage == 3 and setup.weights == "nvme":
-        read += 2 * a * d * n
-        written += d * n
+            read += g * n * a
+            written += g * n * a
+    read += 2 * a * d * weights_on_disk
+    written += d * weights_on_disk
     per_node = gpus // nodes
     return Estimate(setup, tiers, {t: per_node * sum(tiers[t].values()) for t in TIERS}, pcie,
                     per_node * read, per_node * written)

@@ -112,3 +112,53 @@ def test_the_readme_lists_every_refused_and_ignored_key():
     for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()):
         for key in keys:
             assert f"`{section + '.' if section else ''}{key}`" in readme, key
+
+
+def test_deepspeeds_lowercase_optimizer_names_are_accepted():
+    assert Config.load({"optimizer": {"type": "adamw"}}).optimizer.type == "AdamW"
+    assert Config.load({"optimizer": {"type": "ADAM"}}).optimizer.type == "Adam"
+
+
+@pytest.mark.parametrize("data,named", [
+    ({"zero_optimization": {"overlap_comm": True}}, "zero_optimization.overlap_comm (collectives run synchronously"),
+    ({"zero_optimization": {"contiguous_gradients": False}}, "zero_optimization.contiguous_gradients (gradients are always"),
+    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}, "zero_optimization.reduce_bucket_size (stage 3 reduces"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.stage3_prefetch_bucket_size (only stage 3 weights on nvme are read ahead"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10}}, "zero_optimization.stage3_max_live_parameters (it bounds"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_size": 10**8}}},
+     "zero_optimization.offload_param.buffer_size (buffers are sized to each parameter's part"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 8}}},
+     "zero_optimization.offload_optimizer.buffer_count (it sizes the nvme pipeline"),
+    ({"fp16": {"hysteresis": 4}}, "fp16.hysteresis (fp16 is not enabled"),
+    ({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 10}}, "fp16.loss_scale_window (the loss scale is static"),
+    ({"aio": {"queue_depth": 8}}, "aio.queue_depth (no tier is on nvme"),
+    ({"aio": {"thread_count": 2, "backend": "aiofiles"},
+      "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}, "aio.thread_count (the aiofiles backend"),
+])
+def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
+    with pytest.warns(UserWarning) as caught:
+        Config.load(data)
+    assert len(caught) == 1 and named in str(caught[0].message), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("data", [
+    {"zero_optimization": {"overlap_comm": False, "contiguous_gradients": True, "stage": 2, "reduce_bucket_size": 10}},
+    {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10, "stage3_max_live_parameters": 100,
+                           "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0, "buffer_count": 4}}},
+    {"fp16": {"enabled": True, "hysteresis": 4, "consecutive_hysteresis": True}},
+    {"aio": {"queue_depth": 8, "use_direct": False}, "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+])
+def test_settings_that_act_are_not_warned_about(data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.load(data)
+
+
+def test_nvme_path_can_be_replaced_for_this_machine():
+    config = Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                                                "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
+    moved = config.with_nvme_path("/scratch")
+    zero = moved.zero_optimization
+    assert zero.offload_optimizer.nvme_path == zero.offload_param.nvme_path == "/scratch"
+    assert config.zero_optimization.offload_optimizer.nvme_path == "/local_nvme"  # the original is unchanged

@@ -39,27 +39,38 @@ def test_estimate_cli_prints_the_papers_figures(capsys):
 
 def test_hand_computed_offload_cases():
     P, N = 1_000_000_000, 4  # n = 250M owned elements per rank
-    shape = ModelShape(P, 50_000_000, "test")
-    bf16 = offload.Config.load({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
-                                "zero_optimization": {"sub_group_size": 10_000_000, "reduce_bucket_size": 100_000_000}})
+    n = 250e6
+    shape = ModelShape(P, 51_200_000, "test")  # sizes in multiples of 4096 bytes, so no rounding below
+    slack = 3 * 4096  # per swap file in flight: the data buffer's alignment slack, a 4 KiB header and its slack
+    bf16 = offload.Config.load({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2, "zero_optimization": {
+        "sub_group_size": 10_240_000, "reduce_bucket_size": 100_000_000, "offload_param": {"max_in_cpu": 0}}})
     e = estimate(shape, Setup(2, "cpu"), bf16, N)
     assert e.per_rank["device"] == {"weights": 2 * P, "gradient buckets": 2 * 100_000_000}
-    assert e.per_rank["host"] == {"staging": 2 * 250e6, "gradients (fp32 owned)": 4 * 250e6, "optimizer state": 12 * 250e6}
-    assert e.node["host"] == 4 * 18 * 250e6  # four ranks on the node
-    assert e.pcie_bytes_per_step == 2 * 250e6 * 2 + 2 * 250e6  # gradient parts down per micro-batch, weights up once
+    # accumulation sums the gradient over micro-batches: in fp32
+    assert e.per_rank["host"] == {"staging": 2 * n, "gradients (owned)": 4 * n, "optimizer state": 12 * n}
+    assert e.node["host"] == 4 * 18 * n  # four ranks on the node
+    assert e.pcie_bytes_per_step == 2 * n * 2 + 2 * n  # gradient parts down per micro-batch, weights up once
     assert e.disk_read_per_step == 0
     e = estimate(shape, Setup(3, "nvme", "nvme"), bf16, N)
-    assert e.per_rank["nvme"] == {"weights (partition)": 2 * 250e6, "optimizer state": 12 * 250e6}
-    assert e.per_rank["host"]["optimizer pool"] == 4 * 12 * 10_000_000
-    assert e.per_rank["host"]["weight pool"] == 5 * 2 * 12_500_000  # buffer_count parts of the largest parameter
-    assert e.disk_read_per_step == 4 * (12 + 2 * 2 * 2) * 250e6  # optimizer once, weights twice per micro-batch
-    assert e.disk_written_per_step == 4 * (12 + 2) * 250e6
-    assert e.pcie_bytes_per_step == 2 * 2 * 2 * 250e6 + 2 * 2 * 250e6  # gathers, then gradient parts; no upload
+    assert e.per_rank["nvme"] == {"weights (partition)": 2 * n, "optimizer state": 12 * n}
+    assert e.per_rank["host"]["optimizer pool"] == 4 * (12 * 10_240_000 + slack)
+    assert e.per_rank["host"]["weight pool"] == 5 * (2 * 12_800_000 + slack)  # buffer_count parts of the largest
+    assert e.per_rank["host"]["weights (handover buffer)"] == 2 * 10_240_000  # one sub-group of new weights
+    assert e.disk_read_per_step == 4 * (12 + 2 * 2 * 2) * n  # optimizer once, weights twice per micro-batch
+    assert e.disk_written_per_step == 4 * (12 + 2) * n
+    assert e.pcie_bytes_per_step == 2 * 2 * 2 * n + 2 * 2 * n  # gathers, then gradient parts; no upload
+    in_cpu = offload.Config.load({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme", "max_in_cpu": 100_000_000}}})
+    e = estimate(shape, Setup(3, "nvme", "nvme"), in_cpu, N)
+    assert e.per_rank["host"]["weights (partition)"] == 2 * 100_000_000  # max_in_cpu elements stay in RAM
+    assert e.per_rank["nvme"]["weights (partition)"] == 2 * 150_000_000
+    assert e.per_rank["host"]["gradients (owned)"] == 2 * n  # no accumulation: bf16, as the reduced parts are
+    assert e.disk_read_per_step == 4 * (12 + 2 * 2) * 150e6 + 4 * 12 * 100e6
     dpu = offload.Config.load({"bf16": {"enabled": True}, "zero_optimization": {
         "reduce_bucket_size": 10_000_000, "offload_optimizer": {"device": "cpu", "delayed_update": True}}})
     e = estimate(shape, Setup(2, "cpu"), dpu, N)
-    assert e.per_rank["host"]["gradients (delayed update's second buffer)"] == 4 * 250e6
-    assert e.per_rank["device"]["gradient buckets"] == 2 * 50_000_000  # the largest parameter has a bucket of its own
+    assert e.per_rank["host"]["gradients (delayed update's second buffer)"] == 2 * n
+    assert e.per_rank["device"]["gradient buckets"] == 2 * 51_200_000  # the largest parameter has a bucket of its own
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -127,11 +138,11 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
 def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_path, monkeypatch, capsys):
-    """On a (pretended) machine with 40 MB of RAM and no GPU, the 1.9M-parameter
+    """On a (pretended) machine with 32 MB of RAM and no GPU, the 1.9M-parameter
     model needs ZeRO-Infinity; the run then holds what the plan promised."""
     nvme, out = tmp_path / "nvme", tmp_path / "planned.json"
     nvme.mkdir()
-    ram = 40_000_000
+    ram = 32_000_000
     monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, ram, 10**9, 1.0, 1.0))
     assert main(["plan", "--model-config", "small", "--nvme-path", str(nvme), "--out", str(out)]) == 0
     assert "chosen: stage 3, optimizer nvme, weights nvme" in capsys.readouterr().out

@@ -25,7 +25,8 @@ import torch
 from offload import _native
 from offload.cli.args import count, positive_int
 from offload.errors import UsageError
-from offload.optim.adam import AdamHyper, adam_step, available_cores
+from offload.optim.adam import adam_step, available_cores
+from offload.optim.hyper import AdamHyper
 
 # Bytes each element moves in one step (Note [bit-identical Adam] reads p, m, v, g and writes p, m, v).
 FP32_BYTES = 4 * 4 + 3 * 4

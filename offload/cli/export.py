@@ -32,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
     size = os.path.getsize(args.out)
-    print(f"wrote {args.out}: {size / 1e6:.1f} MB, {args.dtype}, from {manifest['tag']} "
-          f"(step {manifest['global_steps']}, {manifest['world_size']} ranks) in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {args.out}: {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
+          f"(step {manifest.training.global_steps}, {manifest.world_size} ranks) in {time.perf_counter() - start:.1f} s")
     return 0

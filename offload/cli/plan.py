@@ -34,7 +34,7 @@ from offload.store import AioSettings
 # rest of the process need the remainder.
 HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
 SUB_GROUPS = (100_000_000, 25_000_000, 5_000_000)  # smaller sub-groups shrink the pinned pool
-LIVE = (1_000_000_000, 100_000_000)  # stage3_max_live_parameters: fewer gathered weights when memory is short
+IN_CPU = (0.75, 0.5, 0.25, 0.0)  # weights on nvme: the share of each rank's part kept in host memory (max_in_cpu)
 
 # From the least to the most data moved per step: (stage, optimizer, weights, gradients on nvme).
 LADDER = [
@@ -81,15 +81,16 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     return machine
 
 
-def config_for(step: tuple, sub_group: int, live: int, nvme_path: str | None, bf16: bool) -> dict:
+def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, bf16: bool) -> dict:
+    """``in_cpu``: with weights on nvme, the elements of each rank's part kept in host memory."""
     stage, optimizer, weights, grads_on_nvme = step
     offload_optimizer = {"device": optimizer}
     if optimizer == "nvme":
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, gradients_on_nvme=grads_on_nvme)
     zero = {"stage": stage, "sub_group_size": sub_group, "offload_optimizer": offload_optimizer}
     if stage == 3:
-        zero["stage3_max_live_parameters"] = live
-        zero["offload_param"] = {"device": weights, **({"nvme_path": nvme_path} if weights == "nvme" else {})}
+        zero["offload_param"] = {"device": weights, **({"nvme_path": nvme_path, "max_in_cpu": in_cpu}
+                                                        if weights == "nvme" else {})}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
             "zero_optimization": zero}
 
@@ -116,9 +117,9 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[
             continue
         # The NVMe pool holds buffer_count sub-groups: for a small shard, an eighth of it keeps the pool small.
         sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {math.ceil(owned / 8)}, reverse=True)
-        for live, sub_group in itertools.product(LIVE if step[0] == 3 else LIVE[:1],
-                                                 sub_groups if step[1] == "nvme" else sub_groups[:1]):
-            raw = config_for(step, sub_group, live, nvme_path, bf16)
+        shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
+        for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
+            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16)
             e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus)
             if fits(e, machine):
                 return raw, e
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
     chosen = choose(shape, machine, nvme_path)
     if chosen is None:
-        need = estimate(shape, Setup(3, "nvme", "nvme"), Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], LIVE[-1], nvme_path, False)),
+        need = estimate(shape, Setup(3, "nvme", "nvme"), Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False)),
                         machine.gpus)
         where = "" if args.nvme_path else "; pass --nvme-path DIR to consider a disk"
         print(f"offload plan: no setup fits {shape.params / 1e9:.3g}B parameters here: even with everything on NVMe it "

@@ -36,9 +36,9 @@ from offload.cli.args import gpt_config, positive_int, seed
 from offload.cli.progress import Progress
 from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
-from offload.engine import human_bytes
 from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES, GPTConfig
+from offload.report import human_bytes
 from offload.zero import comm
 
 EVAL_BATCHES = 4

@@ -28,9 +28,13 @@ class GPTConfig:
 
     def params(self) -> int:
         """Trainable parameters (the tied head counted once)."""
+        return sum(self.param_sizes())
+
+    def param_sizes(self) -> list[int]:
+        """Each trainable parameter's elements, in registration order (the tied head counted once)."""
         c = self.n_embd
-        per_block = 12 * c * c + 13 * c  # qkv + proj + 2 MLP matrices, their biases, two LayerNorms
-        return self.vocab_size * c + self.block_size * c + self.n_layer * per_block + 2 * c
+        block = [c, c, 3 * c * c, 3 * c, c * c, c, c, c, 4 * c * c, 4 * c, 4 * c * c, c]  # ln1, qkv, proj, ln2, fc, out
+        return [self.vocab_size * c, self.block_size * c] + block * self.n_layer + [c, c]
 
 
 SIZES = {

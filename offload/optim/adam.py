@@ -13,51 +13,39 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from offload import _native
 from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
+from offload.optim.hyper import AdamHyper, require
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_THREADS = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class AdamHyper:
-    """Adam hyper-parameters. ``decoupled`` selects AdamW's weight decay
-    (``p *= 1 - lr * wd``); otherwise decay is classic L2 (``g += wd * p``)."""
-
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    decoupled: bool = True
-    bias_correction: bool = True
-
-    def __post_init__(self) -> None:
-        _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
-        _require(0 <= self.beta1 < 1, f"beta1 (betas[0]) must be in [0, 1), got {self.beta1}")
-        _require(0 <= self.beta2 < 1, f"beta2 (betas[1]) must be in [0, 1), got {self.beta2}")
-        _require(math.isfinite(self.eps) and self.eps >= 0, f"eps must be finite and >= 0, got {self.eps}")
-        _require(
-            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-            f"weight_decay must be finite and >= 0, got {self.weight_decay}",
-        )
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)
-
-
 def available_cores() -> int:
-    """Cores this process may run on (its affinity mask), the default thread count."""
+    """Cores this process may run on (its affinity mask)."""
     return len(os.sched_getaffinity(0))
+
+
+def default_threads() -> int:
+    """Threads a CPU Adam call uses unless told otherwise: ``OMP_NUM_THREADS``
+    when set, else this process's cores shared among the ranks of its node
+    (``LOCAL_WORLD_SIZE``, which torchrun sets), so ranks do not oversubscribe
+    the cores they share."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        try:
+            threads = int(given.split(",")[0])
+        except ValueError:
+            raise UsageError(f"OMP_NUM_THREADS={given!r} is not a thread count; set it to a whole number >= 1") from None
+        require(1 <= threads <= MAX_THREADS, f"OMP_NUM_THREADS={given!r} must be in [1, {MAX_THREADS}]")
+        return threads
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, available_cores() // max(1, local_ranks))
 
 
 def adam_step(
@@ -79,9 +67,9 @@ def adam_step(
     fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
-    _require(isinstance(step, int) and 1 <= step < 2**62, f"step must be an int in [1, 2**62) (the first step is 1), got {step!r}")
-    _require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
-    _require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
+    require(isinstance(step, int) and 1 <= step < 2**62, f"step must be an int in [1, 2**62) (the first step is 1), got {step!r}")
+    require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
+    require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
              f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     if not _native.status().available:
         _warn_fallback_once()
@@ -95,7 +83,7 @@ def adam_step(
             param.numel(),
             hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
             int(hyper.decoupled), int(hyper.bias_correction), step, grad_scale,
-            threads or available_cores(),
+            threads or default_threads(),
         )
     )
 
@@ -105,19 +93,19 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
     if out is not None:
         named["out"] = out
     for name, t in named.items():
-        _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
-        _require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
-        _require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
-        _require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
+        require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
+        require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
+        require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
+        require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
     for name in ("param", "exp_avg", "exp_avg_sq"):
-        _require(named[name].dtype == torch.float32, f"{name} must be float32, got {named[name].dtype}")
-    _require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
-    _require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
+        require(named[name].dtype == torch.float32, f"{name} must be float32, got {named[name].dtype}")
+    require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+    require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
     spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in named.items()]
     for i, (name_a, begin_a, end_a) in enumerate(spans):
         for name_b, begin_b, end_b in spans[i + 1:]:
-            _require(
+            require(
                 not (begin_a < end_b and begin_b < end_a) or param.numel() == 0,
                 f"{name_a} and {name_b} overlap in memory; each needs its own buffer",
             )

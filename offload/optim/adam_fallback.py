@@ -9,13 +9,11 @@ kernel derives; tests/optim/test_adam.py holds the two to bitwise equality.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from offload.optim.adam import AdamHyper
+from offload.optim.hyper import AdamHyper
 
 
 def adam_step_torch(

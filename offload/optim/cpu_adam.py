@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from offload.errors import UsageError
-from offload.optim.adam import MAX_THREADS, AdamHyper, adam_step, available_cores
+from offload.optim.adam import MAX_THREADS, adam_step, default_threads
+from offload.optim.hyper import AdamHyper
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -39,7 +40,7 @@ class CPUAdam(torch.optim.Optimizer):
         _hyper(defaults)  # fail at construction, not at the first step
         if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_THREADS):
             raise UsageError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
-        self.threads = threads or available_cores()
+        self.threads = threads or default_threads()
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -3,9 +3,9 @@
 from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError
 from offload.store.aio import AioSettings
 from offload.store.pool import PinnedPool
-from offload.store.tiered import State, Tier, TieredStore
+from offload.store.tiered import State, Tier, TieredStore, pool_bytes
 
 __all__ = [
     "AioSettings", "CorruptShard", "PinnedPool", "PoolExhausted", "ShardLost", "State", "SwapIOError", "Tier",
-    "TieredStore",
+    "TieredStore", "pool_bytes",
 ]

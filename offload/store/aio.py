@@ -60,12 +60,9 @@ class AioSettings:
     @classmethod
     def from_dict(cls, block: dict) -> AioSettings:
         """From a DeepSpeed-style ``aio`` block. ``intra_op_parallelism`` is
-        DeepSpeed's name for ``thread_count``. ``single_submit`` and
-        ``overlap_events`` tune libaio submission in DeepSpeed; this engine
-        always submits in batches and reaps while it submits, so they are
-        accepted and have no effect."""
-        known = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit",
-                 "overlap_events", "use_direct", "backend"}
+        DeepSpeed's name for ``thread_count``. (DeepSpeed's ``single_submit`` and
+        ``overlap_events`` are the config's business: it warns that they have no effect.)"""
+        known = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_direct", "backend"}
         unknown = sorted(set(block) - known)
         if unknown:
             raise ConfigError(f"aio: unknown key(s) {unknown}; valid keys are {sorted(known)}")

@@ -51,11 +51,11 @@ class PinnedPool:
 
     def acquire(self, nbytes: int) -> Buffer:
         """A buffer of at least ``nbytes`` rounded up to 4096; raises PoolExhausted."""
-        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        size = _rounded(nbytes)
         if self._idle[size]:
             buffer = self._idle[size].pop()
         else:
-            self._make_room(size + ALIGN)
+            self._make_room(footprint(nbytes))
             buffer = self._allocate(size)
         self._in_use.add(buffer)
         return buffer
@@ -95,3 +95,13 @@ class PinnedPool:
 
 def _footprint(buffer: Buffer) -> int:
     return buffer._storage.numel()
+
+
+def _rounded(nbytes: int) -> int:
+    return max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+
+
+def footprint(nbytes: int) -> int:
+    """Bytes the pool counts against its cap for a buffer of ``nbytes``: the
+    rounded size plus the slack that aligns it."""
+    return _rounded(nbytes) + ALIGN

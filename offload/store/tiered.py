@@ -33,7 +33,7 @@ import torch
 from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError, UsageError
 from offload.store import shard_file
 from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, make_engine
-from offload.store.pool import Buffer, PinnedPool
+from offload.store.pool import Buffer, PinnedPool, footprint
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
 
@@ -88,6 +88,7 @@ class _Traffic:
     reads: int = 0
     writes: int = 0
     prefetch_skipped: int = 0  # prefetches dropped because the pool was full
+    demand_reads: int = 0  # reads started by get(): nobody had read ahead, so the caller waited for all of it
 
 
 @dataclass
@@ -199,6 +200,7 @@ class TieredStore:
         for shard in shards:  # start every read before waiting on any
             if shard.state is State.ON_DISK:
                 self._start_read(shard, block_for_room=True)
+                self.traffic.demand_reads += 1
         return [self._resident(shard) for shard in shards]
 
     def release(self, keys: Iterable[str], dirty: bool = False) -> None:
@@ -398,6 +400,15 @@ class TieredStore:
         if self.engine is None:
             raise UsageError(f"shard {key!r} asks for tier 'nvme' but the store has no nvme_path; set nvme_path")
         return self.engine
+
+
+def pool_bytes(shard_nbytes: Iterable[int], copies: int = 1) -> int:
+    """The pinned pool cap under which ``copies`` sets of nvme shards of these
+    byte sizes can be resident, or in flight, at once: each shard holds a data
+    buffer and a header buffer. The one sizing rule for every pool (the
+    optimizer's, the owned gradient's, the stage 3 weights') and for
+    ``offload estimate``."""
+    return copies * sum(footprint(n) + footprint(HEADER_BYTES) for n in shard_nbytes)
 
 
 def _view(shard: _Shard) -> torch.Tensor:

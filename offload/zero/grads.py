@@ -1,12 +1,12 @@
-"""Gradients: from each parameter's .grad into this rank's owned fp32 gradient.
+"""Gradients: from each parameter's .grad into this rank's owned gradient.
 
 A post-accumulate-grad hook adds each parameter's gradient into its bucket
 (Note [flat layout]) and drops ``.grad``. Stage 1 keeps every bucket for the
 whole accumulation window and reduce-scatters them all at the boundary. Stage 2
 reduce-scatters a bucket as soon as all its parameters have their gradient
-for this backward pass, adds this rank's part into the owned gradient (on the
-host when the optimizer is offloaded), and frees the bucket: the full gradient
-never exists at once.
+for this backward pass, adds this rank's part into the owned gradient
+(``zero/owned_grad.py``), and frees the bucket: the full gradient never exists
+at once.
 """
 
 from __future__ import annotations
@@ -16,24 +16,23 @@ from collections import Counter
 
 import torch
 
+from offload.report import MemoryReport
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout
+from offload.zero.owned_grad import OwnedGradient
 
 
 class GradientReducer:
     def __init__(self, layout: FlatLayout, stage: int, device: torch.device, dtype: torch.dtype,
-                 owned_grads_on: dict) -> None:
+                 gradient: OwnedGradient) -> None:
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
-        self._owned_on = owned_grads_on  # where the fp32 owned gradient lives (device, pin_memory)
-        self._owned: torch.Tensor | None = None
-        # Where reduced parts go instead of the owned gradient, if set: sink(lo, hi, fp32 part).
-        self.sink = None
+        self.gradient = gradient
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
         self._arrived: Counter[int] = Counter()
         self.bucket_bytes = 0
-        self.seconds = 0.0  # spent reducing and copying to the owned gradient, for the step breakdown
+        self.seconds = 0.0  # spent reducing and adding into the owned gradient, for the step breakdown
         self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
         self._hooks = []
 
@@ -41,22 +40,6 @@ class GradientReducer:
         """Register the gradient hooks: after the parameters are final objects
         (materialising a meta-built model swaps tensors, which drops hooks)."""
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.layout.slots]
-
-    @property
-    def owned_grads(self) -> torch.Tensor:
-        """The fp32 owned gradient, allocated at first use (not at construction:
-        building a large model should not cost its gradient's memory)."""
-        if self._owned is None:
-            self._owned = torch.zeros(self.layout.owned, **self._owned_on)
-        return self._owned
-
-    @property
-    def owned_bytes(self) -> int:
-        return 0 if self._owned is None else self._owned.numel() * self._owned.element_size()
-
-    @owned_grads.setter
-    def owned_grads(self, tensor: torch.Tensor) -> None:
-        self._owned = tensor
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]
@@ -83,10 +66,7 @@ class GradientReducer:
         start = time.perf_counter()
         part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
         comm.reduce_scatter_sum(part, full)
-        if self.sink is not None:
-            self.sink(bucket.owned_offset, bucket.owned_offset + bucket.part, part.to("cpu", torch.float32))
-        else:
-            self.owned_grads[bucket.owned_range()].add_(part.to(self.owned_grads.device, torch.float32))
+        self.gradient.add(bucket.owned_offset, bucket.owned_offset + bucket.part, part)
         self.seconds += time.perf_counter() - start
         if self._flat is None:
             self.bucket_bytes -= full.numel() * full.element_size()
@@ -96,6 +76,7 @@ class GradientReducer:
         for index in sorted(self._open):
             self._reduce(self.layout.buckets[index], self._open.pop(index))
         self._arrived.clear()
+        self.gradient.end_of_backward()
 
     def at_boundary(self) -> None:
         """Stage 1: reduce-scatter every bucket of the accumulation window."""
@@ -107,6 +88,9 @@ class GradientReducer:
     @property
     def device_bytes(self) -> int:
         return self._flat.numel() * self._flat.element_size() if self._flat is not None else self.bucket_bytes
+
+    def memory(self, report: MemoryReport) -> None:
+        report.add("gradients (buckets)", "device", self.device_bytes, self.peak_bucket_bytes)
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -26,12 +26,29 @@ A parameter is gathered while anyone holds a reference:
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay
 gathered throughout.
 
+Note [stage 3 limits]
+What each setting bounds here:
+  - ``offload_param.max_in_cpu``: as in DeepSpeed, with weights on nvme, the
+    first parameters (in registration order) whose parts add up to at most
+    this many elements keep their part in host memory instead of a swap file,
+    so neither the forward nor the backward pass reads them from disk;
+  - ``stage3_prefetch_bucket_size``: elements of nvme weights read ahead,
+    into host buffers, in the recorded order (no effect for cpu and none
+    tiers: there is nothing to read ahead from);
+  - ``stage3_max_live_parameters``: elements gathered plus elements read
+    ahead. Read-ahead stops where it would pass the bound; the parameters of
+    the module about to run are gathered regardless, as in DeepSpeed, so the
+    peak is at most this plus one module's own parameters;
+  - ``offload_param.buffer_count``: host buffers for weights in flight: one
+    for the parameter being gathered, one for a write-back, the rest read-ahead.
+Gathered weights are released as soon as their module is done, so the
+accelerator holds one module (plus the persistent parameters) at a time.
+
 Prefetch: the first pass records the order in which parameters are gathered.
-Later passes read ahead, from the tier into host buffers, the parameters due
-next, up to ``stage3_prefetch_bucket_size`` elements. If a pass departs from
-the record (data-dependent control flow), read-ahead stops for that pass, a
-warning says so once, and that pass's order becomes the new record. Results
-never depend on prefetching.
+Later passes read ahead the parameters due next, within the bounds above. If
+a pass departs from the record (data-dependent control flow), read-ahead
+stops for that pass, a warning says so once, and that pass's order becomes
+the new record. Results never depend on prefetching.
 """
 
 from __future__ import annotations
@@ -44,8 +61,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from offload.config import Config
-from offload.store import TieredStore
-from offload.store.shard_file import HEADER_BYTES, padded
+from offload.errors import ConfigError
+from offload.report import DiskTraffic, MemoryReport
+from offload.store import Tier, TieredStore, pool_bytes
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
 
@@ -60,6 +78,7 @@ class _Managed:
     slot: Slot
     bucket: Bucket
     key: str
+    tier: str  # none, cpu or nvme: where this parameter's part lives
     persistent: bool
     state: ParamState = ParamState.PARTITIONED
     forward_refs: int = 0
@@ -74,55 +93,80 @@ def _grad_tensors(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+_told_where = False
+
+
+def _say_where_weights_live() -> None:
+    global _told_where
+    if not _told_where:
+        _told_where = True
+        warnings.warn("offload stage 3: offload_param.device is none, so each rank's partition of the weights stays "
+                      "on the accelerator; set zero_optimization.offload_param.device to cpu or nvme to move it off",
+                      UserWarning, stacklevel=5)
+
+
 class PartitionedWeights:
     def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, publish_on: dict, publish_tier: str) -> None:
+        """``publish_on``: where the optimizer hands over new weights (device,
+        pin_memory), the ``publish_tier`` of the memory report."""
         zero = config.zero_optimization
         param_cfg = zero.offload_param
         self.layout, self.device, self.dtype = layout, device, dtype
         self.tier = param_cfg.device
-        self.prefetch_elements = min(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters)
+        self.prefetch_elements = zero.stage3_prefetch_bucket_size
+        self.max_live = zero.stage3_max_live_parameters
         # Read-ahead may hold all pool buffers but two: one for the parameter gathered
         # now, one for a write-back in flight.
         self.read_ahead_buffers = max(1, param_cfg.buffer_count - 2)
-        self.live_bytes = 0
-        self.peak_live_bytes = 0
+        self.live_elements = self.peak_live_elements = 0
+        self.ahead_elements = self.peak_ahead_elements = 0
+        self.peak_held_elements = 0  # gathered plus read ahead (Note [stage 3 limits])
+        self._element = torch.empty((), dtype=dtype).element_size()
         self.store: TieredStore | None = None
         self._shards: dict[str, torch.Tensor] = {}  # tier none
-        if self.tier != "none":
+        if self.tier == "none":
+            _say_where_weights_live()
+        else:
             largest = max(b.part for b in layout.buckets)
             if largest > param_cfg.buffer_size:
-                raise ValueError(f"zero_optimization.offload_param.buffer_size {param_cfg.buffer_size:,} is smaller than "
-                                 f"the largest parameter part ({largest:,} elements); raise it")
-            # Buffers are sized to the parts themselves: the pool holds buffer_count of the largest.
-            buffer_bytes = padded(largest * torch.empty((), dtype=dtype).element_size())
+                raise ConfigError(f"zero_optimization.offload_param.buffer_size {param_cfg.buffer_size:,} is smaller than "
+                                  f"the largest parameter part ({largest:,} elements); raise it")
             self.store = TieredStore(
                 param_cfg.nvme_path if self.tier == "nvme" else None,
-                pinned_limit_bytes=param_cfg.buffer_count * (buffer_bytes + 2 * HEADER_BYTES + 8192),
+                pinned_limit_bytes=pool_bytes([largest * self._element], param_cfg.buffer_count),
                 aio=config.aio,
                 pin_memory=None if param_cfg.pin_memory else False,
                 pool_setting_name="zero_optimization.offload_param.buffer_count (or buffer_size)",
             )
+        self._managed: dict[torch.nn.Parameter, _Managed] = {}
+        in_cpu = 0
+        for bucket in layout.buckets:
+            (slot,) = bucket.slots
+            tier = self.tier
+            if tier == "nvme" and in_cpu + bucket.part <= param_cfg.max_in_cpu:
+                tier, in_cpu = "cpu", in_cpu + bucket.part  # Note [stage 3 limits]: max_in_cpu
+            elif tier == "nvme":
+                in_cpu = param_cfg.max_in_cpu + 1  # a prefix: the rest goes to disk
+            self._managed[slot.param] = _Managed(slot, bucket, f"param{bucket.index:06d}", tier,
+                                                 slot.numel <= zero.stage3_param_persistence_threshold)
         self._trace: dict[bool, list[_Managed]] = {}
         self._record: list[_Managed] = []
         self._cursor = 0
         self._on_trace = True
         self._training = True
-        self._read_ahead: set[str] = set()
+        self._read_ahead: dict[str, _Managed] = {}
         self._warned_order = False
-        self._managed: dict[torch.nn.Parameter, _Managed] = {}
-        for bucket in layout.buckets:
-            (slot,) = bucket.slots
-            self._managed[slot.param] = _Managed(slot, bucket, f"param{bucket.index:06d}",
-                                                 slot.numel <= zero.stage3_param_persistence_threshold)
         self._model = model
         self._hooks = []
-        self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}
+        self._publish_on, self._publish_tier = publish_on, publish_tier
+        self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
+        self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}  # parameters split across sub-groups
 
     def add(self, param: torch.nn.Parameter) -> None:
         """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
         m = self._managed[param]
-        self._write_shard(m, self._own_part(m.slot, m.bucket))
+        self._write_shard(m, self.layout.owned_values(m.bucket, self.dtype))
         self._free(m)
 
     def finish(self) -> None:
@@ -130,8 +174,7 @@ class PartitionedWeights:
         for m in self._managed.values():
             if m.persistent:
                 self._gather(m, record=False)
-        model = self._model
-        for module in model.modules():
+        for module in self._model.modules():
             if any(p in self._managed for p in module.parameters(recurse=False)):
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(module.register_forward_hook(self._post_forward))
@@ -140,33 +183,27 @@ class PartitionedWeights:
 
     # -- tiers -----------------------------------------------------------------------
 
-    def _own_part(self, slot: Slot, bucket: Bucket) -> torch.Tensor:
-        part = torch.zeros(bucket.part, dtype=self.dtype)
-        begin = self.layout.rank * bucket.part
-        values = slot.param.detach().reshape(-1)[begin : begin + bucket.part]
-        part[: values.numel()].copy_(values)
-        return part
-
     def _write_shard(self, m: _Managed, part: torch.Tensor) -> None:
-        if self.tier == "none":
+        if m.tier == "none":
             if m.key in self._shards:
                 self._shards[m.key].copy_(part)
             else:
                 self._shards[m.key] = part.to(self.device).clone()
         elif m.key not in self.store.keys():
-            self.store.put(m.key, part, self.tier)
+            self.store.put(m.key, part, m.tier)
         else:
             self.store.overwrite(m.key, part)  # the old part is not read back first
 
     def _read_shard(self, m: _Managed) -> torch.Tensor:
-        if self.tier == "none":
+        if m.tier == "none":
             return self._shards[m.key]
-        self._read_ahead.discard(m.key)
+        if self._read_ahead.pop(m.key, None) is not None:
+            self.ahead_elements -= m.slot.numel
         (shard,) = self.store.get([m.key])
         return shard
 
     def _done_with_shard(self, m: _Managed) -> None:
-        if self.store is not None:
+        if m.tier != "none":
             self.store.release([m.key], dirty=False)
 
     # -- gather and release ------------------------------------------------------------
@@ -186,15 +223,19 @@ class PartitionedWeights:
             p.data.view(-1).copy_(shard[:numel])
         self._done_with_shard(m)
         m.state = ParamState.GATHERED
-        self.live_bytes += numel * p.element_size()
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        self.live_elements += numel
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        self._note_held()
         if record:
             self._note_order(m)
+
+    def _note_held(self) -> None:
+        self.peak_held_elements = max(self.peak_held_elements, self.live_elements + self.ahead_elements)
 
     def _free(self, m: _Managed) -> None:
         p = m.slot.param
         if m.state is ParamState.GATHERED:
-            self.live_bytes -= m.slot.numel * p.element_size()
+            self.live_elements -= m.slot.numel
         else:
             p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
         p.data.untyped_storage().resize_(0)
@@ -280,57 +321,76 @@ class PartitionedWeights:
                           "the same modules in the same order.", RuntimeWarning, stacklevel=2)
 
     def _prefetch(self) -> None:
+        """Read ahead the nvme parts due next: a window of the trace holding at most
+        ``stage3_prefetch_bucket_size`` elements, and no more than leaves gathered
+        plus read-ahead within ``stage3_max_live_parameters`` (Note [stage 3 limits])."""
         trace = self._trace.get(self._training)
-        if self.tier != "nvme" or not trace or not self._on_trace:
+        if not trace or not self._on_trace:
             return
-        budget, keys, seen = self.prefetch_elements, [], set()
+        window = min(self.prefetch_elements, self.max_live - self.live_elements)
+        due: list[_Managed] = []
+        seen: set[str] = set()
         room = self.read_ahead_buffers - len(self._read_ahead)
         for m in trace[self._cursor :]:
-            if budget < m.slot.numel or len(keys) >= room:
+            if m.tier != "nvme" or m.key in seen:
+                continue
+            if window < m.slot.numel or len(due) >= room:
                 break
-            budget -= m.slot.numel
-            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead and m.key not in seen:
-                keys.append(m.key)
-                seen.add(m.key)
-        self._read_ahead.update(keys)
-        self.store.prefetch(keys)
+            window -= m.slot.numel
+            seen.add(m.key)
+            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead:
+                due.append(m)
+        if not due:
+            return
+        for m in due:
+            self._read_ahead[m.key] = m
+            self.ahead_elements += m.slot.numel
+        self.peak_ahead_elements = max(self.peak_ahead_elements, self.ahead_elements)
+        self._note_held()
+        self.store.prefetch(m.key for m in due)
 
     def _drop_read_ahead(self) -> None:
         """Give back the buffers of read-ahead that will not be used."""
-        if self.store is None or not self._read_ahead:
+        if not self._read_ahead:
             return
         keys = sorted(self._read_ahead)
         self._read_ahead.clear()
+        self.ahead_elements = 0
         self.store.get(keys)
         self.store.release(keys, dirty=False)
 
-    # -- after the optimizer -----------------------------------------------------------
+    # -- publishing new weights (the Weights interface) -----------------------------------
 
     def begin_publish(self) -> None:
         """New weights are coming: give back read-ahead, free gathered copies (stale now)."""
         self._drop_read_ahead()
-        self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}
+        self._incoming = {}
         for m in self._managed.values():
             if m.state is ParamState.GATHERED:
                 m.forward_refs = m.backward_refs = 0
                 self._free(m)
 
-    def __call__(self, lo: int, hi: int, weights: torch.Tensor) -> None:
-        """The optimizer's sink: new weights of owned elements [lo, hi). Each
-        parameter's part is written to its tier once complete (a sub-group may
-        end inside a parameter), so no owned-size staging copy is needed."""
-        for m in self._managed.values():
-            r = m.bucket.owned_range()
-            a, b = max(lo, r.start), min(hi, r.stop)
-            if a >= b:
-                continue
-            if a == r.start and b == r.stop:
+    def target(self, lo: int, hi: int) -> torch.Tensor:
+        """One scratch buffer, reused for every sub-group: each parameter's part is
+        copied out in ``accept``, so no owned-size staging copy is needed."""
+        if self._scratch is None or self._scratch.numel() < hi - lo:
+            self._scratch = torch.empty(hi - lo, dtype=self.dtype, **self._publish_on)
+        return self._scratch[: hi - lo]
+
+    def accept(self, lo: int, hi: int) -> None:
+        """Each parameter's part is written to its tier once complete (a sub-group may
+        end inside a parameter)."""
+        weights = self._scratch
+        for bucket, a, b in self.layout.buckets_meeting(lo, hi):
+            m = self._managed[bucket.slots[0].param]
+            start = bucket.owned_offset
+            if a == start and b == start + bucket.part:
                 self._write_shard(m, weights[a - lo : b - lo])
                 continue
-            part, filled = self._incoming.get(m, (torch.empty(m.bucket.part, dtype=self.dtype), 0))
-            part[a - r.start : b - r.start].copy_(weights[a - lo : b - lo])
+            part, filled = self._incoming.get(m, (torch.empty(bucket.part, dtype=self.dtype), 0))
+            part[a - start : b - start].copy_(weights[a - lo : b - lo])
             filled += b - a
-            if filled == m.bucket.part:
+            if filled == bucket.part:
                 self._incoming.pop(m, None)
                 self._write_shard(m, part)
             else:
@@ -343,27 +403,39 @@ class PartitionedWeights:
             if m.persistent:
                 self._gather(m, record=False)
 
+    # -- reporting ---------------------------------------------------------------------
+
     def states(self) -> dict[str, ParamState]:
         return {m.slot.name: m.state for m in self._managed.values()}
 
-    def memory(self, report) -> None:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        shard_bytes = sum(b.part for b in self.layout.buckets) * element
-        report.add("weights (gathered, live)", "device", self.live_bytes, self.peak_live_bytes)
+    def tiers(self) -> dict[str, str]:
+        """Where each parameter's part lives: none, cpu or nvme."""
+        return {m.slot.name: m.tier for m in self._managed.values()}
+
+    def memory(self, report: MemoryReport) -> None:
+        element = self._element
+        report.add("weights (gathered, live)", "device", self.live_elements * element, self.peak_live_elements * element)
+        if self._scratch is not None:
+            n = self._scratch.numel() * element
+            report.add("weights (handover buffer)", self._publish_tier, n, n)
         if self.tier == "none":
+            shard_bytes = sum(b.part for b in self.layout.buckets) * element
             report.add("weights (partition)", "device", shard_bytes, shard_bytes)
-        else:
-            stats = self.store.stats()
-            tier = "host" if self.tier == "cpu" else "nvme"
-            report.add("weights (partition)", tier, stats[self.tier]["bytes"], stats[self.tier]["peak_bytes"])
-            report.add("weights (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+            return
+        stats = self.store.stats()
+        for tier, name in ((Tier.CPU, "host"), (Tier.NVME, "nvme")):
+            if stats[tier.value]["peak_bytes"]:
+                report.add("weights (partition)", name, stats[tier.value]["bytes"], stats[tier.value]["peak_bytes"])
+        report.add("weights (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+
+    def traffic(self) -> DiskTraffic:
+        return DiskTraffic(0, 0) if self.store is None else DiskTraffic.of(self.store)
 
     def close(self) -> None:
-        """Gather every parameter back into the module (so it can be used, or
-        printed, after the engine), then drop hooks and the tier."""
-        for m in self._managed.values():
-            self._gather(m, record=False)
+        """Drop the hooks and the tier. A parameter not gathered holds no storage
+        now: the engine gives the model its weights back (``Engine.close``)."""
         for h in self._hooks:
             h.remove()
+        self._hooks = []
         if self.store is not None:
             self.store.close()

@@ -7,6 +7,7 @@ import torch
 
 from offload import _native
 from offload.optim import AdamHyper, adam_step
+from offload.optim import adam as adam_module
 from offload.optim.adam_fallback import adam_step_torch
 
 SIZES = [1, 7, 31, 1000003]  # none a multiple of the SIMD width but 1
@@ -277,3 +278,25 @@ def test_gil_is_released_during_the_step():
     finally:
         stop.set()
         counter.join()
+
+
+@pytest.mark.parametrize("env,cores,expected", [
+    ({"OMP_NUM_THREADS": "3"}, 8, 3),
+    ({"OMP_NUM_THREADS": "5,2"}, 8, 5),  # OpenMP's nested list: the outer level
+    ({"LOCAL_WORLD_SIZE": "2"}, 8, 4),  # two ranks on this node share its cores
+    ({"LOCAL_WORLD_SIZE": "4"}, 2, 1),
+    ({}, 6, 6),
+])
+def test_each_rank_uses_the_threads_it_is_given(monkeypatch, env, cores, expected):
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(adam_module, "available_cores", lambda: cores)
+    assert adam_module.default_threads() == expected
+
+
+def test_a_bad_thread_count_is_named(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='many' is not a thread count"):
+        adam_module.default_threads()

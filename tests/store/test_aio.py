@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from offload import _native
+from offload.config import Config
 from offload.store import shard_file
-from offload.store.aio import READ, WRITE, AioSettings, NativeEngine, SwapIOError, make_engine
+from offload.store.aio import READ, WRITE, AioSettings, NativeEngine, SwapIOError, _combine, make_engine
 from offload.store.pool import PinnedPool
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
@@ -36,7 +37,11 @@ def test_bad_settings_name_the_field(field, value):
 def test_settings_from_a_deepspeed_aio_block():
     block = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2, "single_submit": False,
              "overlap_events": True}
-    assert AioSettings.from_dict(block) == AioSettings(block_size=1 << 20, queue_depth=8, thread_count=2)
+    expected = AioSettings(block_size=1 << 20, queue_depth=8, thread_count=2)
+    with pytest.warns(UserWarning, match=r"aio\.overlap_events, aio\.single_submit \(they tune DeepSpeed's own"):
+        config = Config.load({"aio": block, "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+    assert config.aio == expected
+    assert AioSettings.from_dict({k: v for k, v in block.items() if k not in ("single_submit", "overlap_events")}) == expected
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['queue_dpeth'\]"):
         AioSettings.from_dict({"queue_dpeth": 8})
     with pytest.raises(ValueError, match="synonyms but differ"):
@@ -96,7 +101,10 @@ def test_wait_is_idempotent_and_raises_the_operations_own_error(tmp_path):
         for _ in range(2):
             with pytest.raises(SwapIOError, match=r"write .*bad\.swap at offset 20480: No space left on device \(errno 28\)"):
                 h_bad.wait()
-        assert h_good.wait() == h_good.wait()
+        chunks = [_native.lib().offload_crc32c(data.data.data_ptr() + begin, min(8192, meta.nbytes - begin), 0)
+                  for begin in range(0, meta.nbytes, 8192)]
+        expected = _combine(chunks)  # the file format's data CRC: CRC-32C of the per-chunk CRCs
+        assert h_good.wait() == expected and h_good.wait() == expected  # the same answer, every call
     finally:
         engine.close()
 

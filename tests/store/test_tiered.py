@@ -210,9 +210,12 @@ def test_a_first_write_that_fails_leaves_no_header(tmp_path):
 def test_tmpfs_works_with_a_warning():
     with pytest.warns(RuntimeWarning, match="tmpfs"):
         with TieredStore("/dev/shm", aio=SMALL_BLOCKS) as store:
-            store.put("m", torch.randn(3000), "nvme")
+            original = torch.randn(3000)
+            store.put("m", original, "nvme")
             store.flush()
-            assert torch.equal(store.get(["m"])[0].clone(), store.get(["m"])[0])
+            assert store.state("m") is State.ON_DISK
+            assert torch.equal(store.get(["m"])[0], original)  # read back from the tmpfs file
+            assert store.stats()["io"]["reads"] == 1
 
 
 def test_enospc_on_a_full_filesystem(tmp_path):
@@ -223,12 +226,14 @@ def test_enospc_on_a_full_filesystem(tmp_path):
         pytest.skip("cannot mount a tiny tmpfs here")
     try:
         with TieredStore(str(mount), aio=SMALL_BLOCKS) as store:
+            fits = torch.randn(10_000)
             with pytest.warns(RuntimeWarning, match="tmpfs"):
-                store.put("fits", torch.randn(10_000), "nvme")
+                store.put("fits", fits, "nvme")
             with pytest.raises(SwapIOError, match=r"shard-000001\.swap: No space left on device"):
                 store.put("too-big", torch.randn(200_000), "nvme")
             assert store.keys() == ["fits"] and store.stats()["pinned"]["in_use_bytes"] < 100_000
-            assert torch.equal(store.get(["fits"])[0], store.get(["fits"])[0])
+            store.flush()
+            assert torch.equal(store.get(["fits"])[0], fits)  # the failed put did not touch the shard that fit
     finally:
         subprocess.run(["umount", str(mount)])
 

@@ -71,7 +71,7 @@ def config(stage: int, device: str, accumulation: int, nvme_path: str | None = N
         "aio": {"block_size": 8192, "queue_depth": 4},
     }
     if param_device is not None:
-        cfg["zero_optimization"]["offload_param"] = {"device": param_device, **({"nvme_path": nvme_path} if param_device == "nvme" else {})}
+        cfg["zero_optimization"]["offload_param"] = {"device": param_device, **({"nvme_path": nvme_path, "max_in_cpu": 0} if param_device == "nvme" else {})}
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 30  # LayerNorm and biases stay gathered
     cfg.update(extra)
     return cfg

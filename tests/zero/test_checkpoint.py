@@ -5,16 +5,19 @@ leaves every earlier checkpoint loadable."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import offload
 from offload import _native, checkpoint
+from offload.checkpoint import format as ckpt_format
 from offload.cli import main
 from offload.safetensors_file import read_safetensors
 
@@ -163,14 +166,14 @@ def test_a_damaged_file_is_refused_naming_it(tmp_path, capsys):
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     engine = saved(tmp_path, tags=("a",))
-    real_write = checkpoint._SectionWriter.write
+    real_write = ckpt_format.SectionWriter.write
 
     def failing(self, values):
         if self.position > 0:
             raise OSError(28, "No space left on device")
         real_write(self, values)
 
-    monkeypatch.setattr(checkpoint._SectionWriter, "write", failing)
+    monkeypatch.setattr(ckpt_format.SectionWriter, "write", failing)
     run(engine, [1])
     with pytest.raises(OSError, match="rank-00000.bin: No space left on device"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "b")
@@ -186,18 +189,18 @@ _KILLED_SAVE = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 import offload
-from offload import checkpoint
+from offload.checkpoint import save_load
 from tests.zero.test_checkpoint import case_config, model, run
 engine = offload.initialize(model(), case_config(2, "nvme", None, {nvme!r}))
 run(engine, [0])
 engine.save_checkpoint({save_dir!r}, "a")
 run(engine, [1])
-real_fsync_dir = checkpoint._fsync_dir
+real_fsync_dir = save_load.fsync_dir
 def die_before_rename(path):
     real_fsync_dir(path)
     if path.endswith(".partial"):
         os.kill(os.getpid(), 9)  # everything written, manifest included; not yet renamed
-checkpoint._fsync_dir = die_before_rename
+save_load.fsync_dir = die_before_rename
 engine.save_checkpoint({save_dir!r}, "b")
 """
 
@@ -244,7 +247,7 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest.pop("crc32")
     manifest["world_size"] = 2
-    manifest_path.write_text(json.dumps({**manifest, "crc32": zlib.crc32(checkpoint._canonical(manifest))}))
+    manifest_path.write_text(json.dumps({**manifest, "crc32": zlib.crc32(ckpt_format._canonical(manifest))}))
     with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
         with pytest.raises(checkpoint.CheckpointError, match="saved by 2 ranks, loading on 1"):
             engine.load_checkpoint(str(tmp_path / "ckpt"))
@@ -327,3 +330,50 @@ def test_another_accumulation_and_the_learning_rate_carry_over(tmp_path):
         run(engine, [2], 2)
         assert engine.global_steps == 3
         engine.save_checkpoint(str(tmp_path / "ckpt"))  # at a boundary of this run's accumulation
+
+
+class WithDropout(WithState):
+    """Dropout and a numpy draw in every step: a resume must continue every
+    random generator where the saving run stood."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, tokens):
+        noise = float(np.random.rand()) + random.random()  # the host RNGs a data pipeline would draw from
+        return super().forward(tokens) + self.drop(self.frozen).sum() * noise
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(2, "nvme", None), (3, "cpu", "cpu")])
+def test_a_resumed_run_draws_the_same_random_numbers(tmp_path, stage, device, param_device):
+    cfg = case_config(stage, device, param_device, str(tmp_path))
+
+    def build(seed=0):
+        torch.manual_seed(seed)
+        return WithDropout()
+
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    with offload.initialize(build(), cfg) as engine:
+        losses = []
+        for step in range(6):
+            losses.append(engine(batch(step, 0, 0)))
+            engine.backward(losses[-1])
+            engine.step()
+        expected = engine.state_dict()
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    with offload.initialize(build(), cfg) as engine:
+        run(engine, range(3))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)  # the resuming process starts from other states
+    with offload.initialize(build(seed=1), cfg) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        resumed_losses = []
+        for step in range(3, 6):
+            resumed_losses.append(engine(batch(step, 0, 0)))
+            engine.backward(resumed_losses[-1])
+            engine.step()
+        resumed = engine.state_dict()
+    assert [l.item() for l in resumed_losses] == [l.item() for l in losses[3:]]  # noqa: E741
+    for key in expected:
+        assert torch.equal(resumed[key], expected[key]), key

@@ -1,18 +1,32 @@
 """Engine behaviour beyond equivalence: host memory stays within the configured
-optimizer buffers with NVMe offload; the delayed update converges and equals
-the plain path during warm-up; reports, state dicts and config checks."""
+optimizer buffers with NVMe offload; the delayed update equals AdamW fed
+one-step-stale gradients (world sizes 1 and 2, cpu and nvme); reports, state
+dicts and config checks."""
 
+import copy
 import gc
+import json
+import os
 
 import psutil
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn as nn
 
 import offload
 from offload import _native
 
-from .harness import batch, config, make_model, train_engine
+from .harness import (
+    batch,
+    config,
+    free_port,
+    init_gloo,
+    make_model,
+    max_difference,
+    train_engine,
+    train_reference,
+)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -58,37 +72,67 @@ def test_nvme_offload_keeps_host_optimizer_state_within_the_buffers(tmp_path):
     engine.close()
 
 
-def test_delayed_update_equals_plain_during_warmup_then_converges(tmp_path):
-    warmup = 3
-    plain_cfg = config(2, "cpu", 1)
-    delayed_cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": warmup})
-    with train_engine(make_model(), warmup, 1, plain_cfg) as plain, train_engine(make_model(), warmup, 1, delayed_cfg) as delayed:
-        a, b = plain.state_dict(), delayed.state_dict()
-        assert all(torch.equal(a[k], b[k]) for k in a)
+def train_stale_reference(model: nn.Module, steps: int, world: int, warmup: int, cfg: dict) -> nn.Module:
+    """torch's AdamW fed what the delayed update feeds it (Note [delayed parameter
+    update]): after the warm-up and the first delayed step, each step's gradient
+    is taken at the weights from before the previous update."""
+    ref, stale = copy.deepcopy(model), copy.deepcopy(model)
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                            weight_decay=p["weight_decay"], foreach=False)
+    for step in range(steps):
+        at = stale if step > warmup else ref
+        at.zero_grad()
+        for rank in range(world):
+            (at(batch(step, 0, rank)) / world).backward()
+        grads = [q.grad.clone() for q in at.parameters()]
+        stale.load_state_dict(ref.state_dict())  # the weights before this update
+        for q, g in zip(ref.parameters(), grads):
+            q.grad = g
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+        opt.step()
+    return ref
 
-    engine = offload.initialize(make_model(), delayed_cfg)
-    fixed = batch(0, 0, 0)  # one batch, learnt by heart: the loss must fall
-    losses = []
-    for _ in range(60):
-        loss = engine(fixed)
-        losses.append(loss.item())
-        engine.backward(loss)
-        engine.step()
-    engine.close()
-    assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
+
+DPU_STEPS, DPU_WARMUP = 8, 2
 
 
-def test_delayed_update_is_one_step_stale():
-    """After warm-up the weights a forward sees lag the plain path by exactly one update."""
-    cfg = config(1, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 0})
-    engine = offload.initialize(make_model(), cfg)
-    first = {k: v.clone() for k, v in engine.module.state_dict().items()}
-    engine.backward(engine(batch(0, 0, 0)))
-    engine.step()  # starts update 1 in the background; the model still holds the initial weights
-    assert all(torch.equal(first[k], v) for k, v in engine.module.state_dict().items())
-    engine.synchronize()
-    assert not all(torch.equal(first[k], v) for k, v in engine.module.state_dict().items())
-    engine.close()
+def _dpu_config(device: str, nvme: str | None) -> dict:
+    return config(2, device, 1, nvme, offload_optimizer={"delayed_update": True, "delayed_update_warmup": DPU_WARMUP})
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_delayed_update_equals_adamw_fed_one_step_stale_gradients(tmp_path, device):
+    cfg = _dpu_config(device, str(tmp_path) if device == "nvme" else None)
+    ref = train_stale_reference(make_model(), DPU_STEPS, 1, DPU_WARMUP, cfg)
+    fresh = train_reference(make_model(), DPU_STEPS, 1, 1, cfg)
+    with train_engine(make_model(), DPU_STEPS, 1, cfg) as engine:
+        state = engine.state_dict()  # applies the update still in flight
+        assert max_difference(state, ref) < 1e-5
+        assert max_difference(state, fresh) > 1e-3  # staleness is visible: the reference is not the plain path
+    assert os.listdir(tmp_path) == []
+
+
+def _dpu_world2_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    nvme = os.path.join(out_dir, f"nvme{rank}")
+    os.makedirs(nvme)
+    cfg = _dpu_config("nvme", nvme)
+    ref = train_stale_reference(make_model(), DPU_STEPS, 2, DPU_WARMUP, cfg)
+    with train_engine(make_model(), DPU_STEPS, 1, cfg, rank=rank) as engine:
+        difference = max_difference(engine.state_dict(), ref)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(difference, f)
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # see test_equivalence: gloo's threads may abort interpreter teardown
+
+
+def test_delayed_update_at_world_size_2_equals_stale_adamw(tmp_path):
+    mp.spawn(_dpu_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            assert json.load(f) < 1e-5, rank
+        assert os.listdir(tmp_path / f"nvme{rank}") == []
 
 
 def test_state_dict_has_the_models_keys_and_tied_weights():
@@ -117,3 +161,100 @@ def test_step_acts_only_at_accumulation_boundaries():
     engine.step()  # a second call at the same boundary does nothing
     assert engine.global_steps == 1
     engine.close()
+
+
+class Outputs(nn.Module):
+    """A model whose forward takes keyword inputs and returns its loss inside an
+    output, as Hugging Face models do; ``kind`` picks the output's form."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.inner = make_model()
+
+    def forward(self, input_ids: torch.Tensor, scale: float = 1.0):
+        loss = self.inner(input_ids) * scale
+        if self.kind == "object":
+            return type("ModelOutput", (), {"loss": loss, "logits": None})()
+        if self.kind == "dict":
+            return {"loss": loss, "logits": None}
+        return (loss, None)
+
+
+@pytest.mark.parametrize("kind", ["object", "dict", "tuple"])
+def test_backward_takes_a_model_output_and_forward_passes_keywords(kind):
+    with offload.initialize(Outputs(kind), config(2, "cpu", 1)) as engine, \
+            offload.initialize(make_model(), config(2, "cpu", 1)) as plain:
+        for step in range(3):
+            engine.backward(engine(**{"input_ids": batch(step, 0, 0), "scale": 1.0}))
+            engine.step()
+            plain.backward(plain(batch(step, 0, 0)))
+            plain.step()
+        a, b = engine.state_dict(), plain.state_dict()
+        assert all(torch.equal(a[f"inner.{k}"], b[k]) for k in b)
+        with pytest.raises(ValueError, match="engine.backward needs the loss"):
+            engine.backward({"logits": None})
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme"), (3, "none", "none")])
+def test_close_gives_the_model_back_in_its_dtype_with_the_trained_weights(tmp_path, stage, device, param_device):
+    model = make_model()
+    model.register_buffer("counter", torch.arange(3))  # integer buffers keep their dtype throughout
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    engine = train_engine(model, 2, 1, config(stage, device, 1, str(tmp_path), param_device=param_device,
+                                              bf16={"enabled": True}))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    trained = engine.state_dict()
+    engine.close()
+    state = model.state_dict()
+    assert {k: v.dtype for k, v in state.items()} == dtypes
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert model.head.weight is model.embed.weight  # still tied
+    model(batch(0, 0, 0)).backward()  # an ordinary module again
+
+
+def test_close_can_leave_a_stage_3_model_unmaterialised(tmp_path):
+    model = make_model()
+    engine = train_engine(model, 1, 1, config(3, "cpu", 1, param_device="cpu"))
+    engine.close(restore_model=False)
+    assert model.blocks[1][0].weight.untyped_storage().size() == 0  # a model too big for memory stays so
+
+
+def test_the_initialize_nvme_path_replaces_the_configs(tmp_path):
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_nvme.json")
+    with open(shipped) as f:
+        assert json.load(f)["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/local_nvme"
+    with offload.initialize(make_model(), shipped, nvme_path=tmp_path) as engine:
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+        assert engine.disk_traffic().bytes_written > 0 and len(os.listdir(tmp_path)) == 1  # its run directory
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_cpu_adam_uses_the_threads_it_is_given(monkeypatch):
+    from offload.zero import optimizer as optimizer_module
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    used = set()
+    real = optimizer_module.adam_step
+    monkeypatch.setattr(optimizer_module, "adam_step", lambda *a, **k: (used.add(k["threads"]), real(*a, **k))[1])
+    with train_engine(make_model(), 1, 1, config(2, "cpu", 1)):
+        pass
+    assert used == {1}
+
+
+def test_where_things_run_is_said_once(monkeypatch):
+    from offload import engine as engine_module
+    from offload.zero import stage3
+
+    monkeypatch.setattr(stage3, "_told_where", False)
+    with pytest.warns(UserWarning, match="offload_param.device is none, so each rank's partition") as caught:
+        offload.initialize(make_model(), config(3, "cpu", 1)).close()
+        offload.initialize(make_model(), config(3, "cpu", 1)).close()
+    assert len([w for w in caught if "partition of the weights" in str(w.message)]) == 1
+    monkeypatch.setattr(engine_module, "_warned_cpu", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="parameters are on the CPU although CUDA is available") as caught:
+        engine_module._warn_if_cpu_beside_cuda(torch.device("cpu"))
+        engine_module._warn_if_cpu_beside_cuda(torch.device("cpu"))
+    assert len(caught) == 1

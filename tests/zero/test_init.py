@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not _native.status().available, reason="native l
 
 def _cfg(tmp_path, **zero):
     return {"zero_optimization": {"stage": 3, "sub_group_size": 2_000_000,
-                                  "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                  "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2},
                                   **zero}}
 
@@ -51,7 +51,7 @@ import gc, sys, psutil, torch, offload
 from offload.models.gpt import GPT, SIZES
 path = sys.argv[1]
 cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 2_000_000,
-       "offload_param": {"device": "nvme", "nvme_path": path},
+       "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0},
        "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 2}}}
 with offload.init():
     GPT(SIZES["tiny"])  # first use loads torch's meta kernels (about 80 MB, once per process)

@@ -1,0 +1,51 @@
+"""A checkpoint's consolidated weights, from its files alone: neither the
+model's code nor an engine nor the world size that saved it is needed.
+
+Each parameter is assembled from every rank's master-weight section (Note
+[flat layout], ``zero/consolidate.py``), one parameter in memory at a time
+plus one 16 MiB read buffer per rank file, with the keys and in the order
+``Engine.export`` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from offload.checkpoint.format import Manifest, RankFile, read_extras, read_manifest, resolve
+from offload.safetensors_file import write_safetensors
+from offload.zero.consolidate import assemble, export_plan, keep_local, named_weights, owned_ranges
+
+
+def consolidated(directory: str, manifest: Manifest, dtype: torch.dtype) -> tuple[list, Iterator[tuple[str, torch.Tensor]]]:
+    """(plan, tensors) of the consolidated weights in ``dtype``."""
+    layout = manifest.flat_layout()
+    records = [p for b in manifest.layout for p in b.params]
+    keys = dict(zip(layout.slots, (r.keys for r in records)))
+    extras = read_extras(directory, manifest)
+    others = [(key, extras[key]) for key in manifest.extra_keys]
+    plan = export_plan(layout, keys.__getitem__, others, dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        files: list[RankFile] = []
+        try:
+            for r in range(manifest.world_size):
+                files.append(RankFile.open(directory, manifest, r))
+            sources = {r: f.readers["master"].ranges(owned_ranges(layout, r)) for r, f in enumerate(files)}
+            yield from named_weights(assemble(layout, sources, keep_local, torch.device("cpu")), keys.__getitem__,
+                                     others, dtype)
+        finally:
+            for f in files:
+                f.close()
+
+    return plan, tensors()
+
+
+def export(path: str, out: str, dtype: torch.dtype, tag: str | None = None) -> Manifest:
+    """Write a checkpoint's consolidated weights to a safetensors file, streaming."""
+    directory = resolve(path, tag)
+    manifest = read_manifest(directory)
+    plan, tensors = consolidated(directory, manifest, dtype)
+    write_safetensors(out, plan, tensors)
+    return manifest

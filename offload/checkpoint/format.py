@@ -1,0 +1,336 @@
+"""The checkpoint on disk: its files, a typed manifest, checksummed sections.
+Nothing here talks to other ranks; saving and loading an engine is
+``save_load.py``, exporting weights without one is ``export.py``.
+
+A checkpoint is a directory ``<save_dir>/<tag>/`` holding
+  manifest.json       written last: format, world size, training progress,
+                      client state, each rank's RNG states, the flat layout
+                      (so ``offload export`` needs neither the model nor an
+                      engine), every file's checksums, and its own;
+  rank-00000.bin ...  rank r's owned shard as three fp32 sections of ``owned``
+                      elements: master weights, exp_avg, exp_avg_sq;
+  extra.safetensors   what is not trained (buffers, frozen parameters), from rank 0;
+and ``<save_dir>/latest`` names the newest tag. Each section carries a CRC-32
+per ``CHUNK_BYTES``, checked before any byte of that chunk is used; the
+manifest and extra.safetensors carry one each, checked before they are parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload.errors import CheckpointError
+from offload.safetensors_file import read_safetensors
+from offload.zero.layout import FlatLayout
+
+FORMAT = "offload-checkpoint-2"  # 2: the manifest records each rank's RNG states
+CHUNK_BYTES = 16 << 20
+SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+MANIFEST = "manifest.json"
+EXTRA = "extra.safetensors"
+LATEST = "latest"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+# -- the manifest ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Where training stands between two steps."""
+
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    optimizer_steps: int
+    lr: float
+    loss_scaler: dict
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    keys: list[str]  # every state-dict key of the parameter (a tied weight has several)
+    shape: list[int]
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    part: int
+    params: list[ParamRecord]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format: str
+    tag: str
+    world_size: int
+    owned: int
+    compute_dtype: str
+    chunk_bytes: int
+    training: TrainingState
+    client_state: dict
+    files: dict[str, dict[str, list[int]]]  # rank file -> section -> per-chunk CRC-32s
+    extra_keys: list[str]
+    extra_crc32: int
+    layout: list[BucketRecord]
+    rng: list[dict]  # per rank: RNG states (save_load.py)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> Manifest:
+        return _typed(Manifest, data, where, "manifest")
+
+    def flat_layout(self) -> FlatLayout:
+        """The flat layout the checkpoint was saved with (rank 0's view; the
+        parts are the same for every rank). Checked against the recorded parts."""
+        layout = FlatLayout([[(p.keys[0], tuple(p.shape), None) for p in b.params] for b in self.layout], 0,
+                            self.world_size)
+        for bucket, record in zip(layout.buckets, self.layout):
+            if bucket.part != record.part:
+                raise CheckpointError(f"manifest: bucket {bucket.index} records part {record.part} but its "
+                                      f"parameters make {bucket.part}; the manifest is damaged")
+        if layout.owned != self.owned:
+            raise CheckpointError(f"manifest: records {self.owned} owned elements but its layout makes {layout.owned}")
+        return layout
+
+
+def _typed(hint, value: Any, where: str, name: str):
+    """``value`` (parsed JSON) checked against the type ``hint``; a mismatch names the field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {name} must be an object; the manifest is damaged")
+        hints = typing.get_type_hints(hint)
+        fields = {f.name for f in dataclasses.fields(hint)}
+        if set(value) != fields:
+            raise CheckpointError(f"{where}: {name} has fields {sorted(value)}, expected {sorted(fields)}; "
+                                  f"the manifest is damaged or from another version")
+        return hint(**{k: _typed(hints[k], value[k], where, f"{name}.{k}") for k in fields})
+    if origin is list:
+        if not isinstance(value, list):
+            raise CheckpointError(f"{where}: {name} must be a list; the manifest is damaged")
+        return [_typed(args[0], v, where, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {name} must be an object; the manifest is damaged")
+        return {k: _typed(args[1], v, where, f"{name}.{k}") for k, v in value.items()}
+    expected = {int: int, float: (int, float), str: str, dict: dict}[hint]
+    if not isinstance(value, expected) or isinstance(value, bool):
+        raise CheckpointError(f"{where}: {name} must be {hint.__name__}, got {type(value).__name__}; the manifest is damaged")
+    return float(value) if hint is float else value
+
+
+def _canonical(data: dict) -> bytes:
+    """The bytes the manifest's checksum covers (any key order, one encoding)."""
+    return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    data = manifest.to_json()
+    return json.dumps({**data, "crc32": zlib.crc32(_canonical(data))}, indent=1).encode()
+
+
+def read_manifest(directory: str) -> Manifest:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        stored = data.pop("crc32")
+    except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if zlib.crc32(_canonical(data)) != stored:
+        raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {data.get('format')!r}, this offload reads {FORMAT!r}")
+    return Manifest.from_json(data, path)
+
+
+# -- locating ------------------------------------------------------------------------------
+
+
+def resolve(path: str, tag: str | None = None) -> str:
+    """The checkpoint directory for ``path``: itself if it holds a manifest, else
+    ``path/tag``, else the tag that ``path/latest`` names."""
+    if tag is None and os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    if tag is None:
+        latest = os.path.join(path, LATEST)
+        try:
+            with open(latest) as f:
+                tag = f.read().strip()
+        except FileNotFoundError:
+            if not os.path.isdir(path):
+                raise CheckpointError(f"{path}: no such directory") from None
+            raise CheckpointError(f"{path}: no checkpoint here (neither {MANIFEST} nor {LATEST}); "
+                                  f"pass a checkpoint directory or the save directory of one") from None
+    directory = os.path.join(path, tag)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
+    return directory
+
+
+def read_extras(directory: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters, checksum verified first."""
+    if not manifest.extra_keys:
+        return {}
+    path = os.path.join(directory, EXTRA)
+    try:
+        with open(path, "rb") as f:
+            crc = zlib.crc32(f.read())
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}; the checkpoint is incomplete") from None
+    if crc != manifest.extra_crc32:
+        raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
+    return read_safetensors(path)
+
+
+# -- chunked, checksummed sections ------------------------------------------------------
+
+
+class SectionWriter:
+    """Appends fp32 values to one section of a file, CRC per chunk."""
+
+    def __init__(self, fd: int, offset: int) -> None:
+        self.fd, self.position = fd, offset
+        self.crcs: list[int] = []
+        self._crc, self._filled = 0, 0
+
+    def write(self, values: torch.Tensor) -> None:
+        data = memoryview(values.detach().contiguous().numpy()).cast("B")
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self.fd, data[written:], self.position + written)
+        self.position += len(data)
+        while data:
+            take = min(len(data), CHUNK_BYTES - self._filled)
+            self._crc = zlib.crc32(data[:take], self._crc)
+            self._filled += take
+            data = data[take:]
+            if self._filled == CHUNK_BYTES:
+                self.finish()
+
+    def finish(self) -> None:
+        if self._filled:
+            self.crcs.append(self._crc)
+            self._crc, self._filled = 0, 0
+
+
+class SectionReader:
+    """Reads one section at increasing element offsets, verifying each chunk
+    before handing out any of it; chunks never asked for are never read."""
+
+    def __init__(self, path: str, fd: int, offset: int, numel: int, crcs: list[int], name: str) -> None:
+        self.path, self.fd, self.name = path, fd, name
+        self.start, self.nbytes, self.crcs = offset, 4 * numel, crcs
+        expected = -(-self.nbytes // CHUNK_BYTES)
+        if len(crcs) != expected:
+            raise CheckpointError(f"{path}: section {name} lists {len(crcs)} checksums, expected {expected}; the manifest is damaged")
+        self._buffer: np.ndarray | None = None  # allocated at the first read: export reads only the master section
+        self._chunk = -1  # the chunk in the buffer
+        self._valid = 0  # its bytes
+        self._next = 0  # the element after the last one read
+
+    def read(self, out: torch.Tensor) -> None:
+        """Fill ``out`` (fp32, contiguous) with the section's next values."""
+        self.read_at(self._next, out)
+
+    def read_at(self, element: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (fp32, contiguous) with the section's values from ``element`` on."""
+        target = out.view(-1).view(torch.uint8).numpy()
+        position, done = 4 * element, 0
+        if position + target.size > self.nbytes:
+            raise CheckpointError(f"{self.path}: read past the end of section {self.name}")
+        while done < target.size:
+            chunk, at = divmod(position + done, CHUNK_BYTES)
+            if chunk != self._chunk:
+                self._load(chunk)
+            take = min(target.size - done, self._valid - at)
+            target[done : done + take] = self._buffer[at : at + take]
+            done += take
+        self._next = element + out.numel()
+
+    def ranges(self, ranges: list[tuple[int, int]]) -> typing.Iterator[torch.Tensor]:
+        """The values of each element range [lo, hi), as fp32 tensors."""
+        for lo, hi in ranges:
+            out = torch.empty(hi - lo)
+            self.read_at(lo, out)
+            yield out
+
+    def _load(self, chunk: int) -> None:
+        begin = chunk * CHUNK_BYTES
+        size = min(CHUNK_BYTES, self.nbytes - begin)
+        if self._buffer is None:
+            self._buffer = np.empty(min(CHUNK_BYTES, self.nbytes), dtype=np.uint8)
+        view = memoryview(self._buffer)[:size]
+        got = os.preadv(self.fd, [view], self.start + begin)
+        if got != size:
+            raise CheckpointError(f"{self.path}: section {self.name} is truncated at byte {self.start + begin + got}")
+        if zlib.crc32(view) != self.crcs[chunk]:
+            raise CheckpointError(f"{self.path}: section {self.name}, bytes {self.start + begin}-{self.start + begin + size} "
+                                  f"fail their checksum; the checkpoint is damaged, load an earlier one")
+        self._chunk, self._valid = chunk, size
+
+
+@dataclass
+class RankFile:
+    """One rank's shard file opened for reading, one reader per section."""
+
+    fd: int
+    readers: dict[str, SectionReader] = field(default_factory=dict)
+
+    @staticmethod
+    def open(directory: str, manifest: Manifest, rank: int) -> RankFile:
+        name = rank_file(rank)
+        path = os.path.join(directory, name)
+        if name not in manifest.files:
+            raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: lists no {name}; the manifest is damaged")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: {exc.strerror}; the checkpoint is incomplete") from None
+        try:
+            size = os.fstat(fd).st_size
+            owned = manifest.owned
+            if size != 3 * 4 * owned:
+                raise CheckpointError(f"{path}: {size} bytes, expected {3 * 4 * owned}; the file is truncated or replaced")
+            entry = manifest.files[name]
+            readers = {s: SectionReader(path, fd, i * 4 * owned, owned, entry.get(s, []), s) for i, s in enumerate(SECTIONS)}
+        except BaseException:
+            os.close(fd)
+            raise
+        return RankFile(fd, readers)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# -- durable writes -----------------------------------------------------------------------
+
+
+def write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,265 @@
+"""Saving and loading an engine's full training state: a collective, through
+the narrow ``Checkpointable`` interface the engine offers.
+
+Note [checkpoint atomicity]
+Every rank writes into ``<save_dir>/.<tag>.partial/`` and fsyncs its file.
+Once all ranks report success, rank 0 writes the manifest, fsyncs the
+directory, renames it to ``<tag>``, fsyncs ``save_dir``, and only then
+replaces ``latest`` (written beside, fsynced, renamed). A crash or a full disk
+at any point leaves every earlier checkpoint and ``latest`` as they were; loads
+never look at a partial directory, and the next save of that tag removes it.
+An existing tag is never overwritten: replacing a directory in place would
+open a window in which neither the old nor the new checkpoint exists. A
+failure of any kind on one rank reaches the others through ``_agree``, so no
+rank waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from offload.checkpoint import rng
+from offload.checkpoint.format import (
+    CHUNK_BYTES,
+    EXTRA,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    SECTIONS,
+    BucketRecord,
+    Manifest,
+    ParamRecord,
+    RankFile,
+    SectionWriter,
+    TrainingState,
+    encode_manifest,
+    fsync_dir,
+    rank_file,
+    read_extras,
+    read_manifest,
+    resolve,
+    write_synced,
+)
+from offload.errors import CheckpointError, StorageError, UsageError
+from offload.safetensors_file import write_safetensors
+from offload.zero import comm
+from offload.zero.consolidate import StateEntries
+from offload.zero.layout import FlatLayout
+
+
+class Checkpointable(Protocol):
+    """What saving and loading use of an engine, and nothing more."""
+
+    rank: int
+    world: int
+    layout: FlatLayout
+    accumulation: int
+    module: torch.nn.Module
+
+    @property
+    def compute_dtype_name(self) -> str: ...
+
+    def synchronize(self) -> None: ...
+
+    def state_entries(self) -> StateEntries: ...
+
+    def training_state(self) -> TrainingState: ...
+
+    def restore_training_state(self, state: TrainingState) -> None: ...
+
+    def shard_state(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, [3, hi - lo] fp32: master, exp_avg, exp_avg_sq) per sub-group, in order."""
+
+    def load_shard_state(self, fill: Callable[[torch.Tensor], None], optimizer_steps: int) -> None:
+        """Replace the shard's state, ``fill`` filling each sub-group's [3, n] in order."""
+
+
+def layout_records(engine: Checkpointable) -> list[BucketRecord]:
+    """The flat layout as the manifest stores it: per bucket, its part and its
+    parameters (every state-dict key of each, and the shape)."""
+    keys_of = engine.state_entries().keys_of
+    return [BucketRecord(b.part, [ParamRecord(keys_of[s.param], list(s.shape)) for s in b.slots])
+            for b in engine.layout.buckets]
+
+
+def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: dict | None) -> str:
+    """Note [checkpoint atomicity]. A collective: every rank calls it."""
+    progress = engine.training_state()
+    _require_step_boundary(engine, progress, "save_checkpoint")
+    tag = f"global_step{progress.global_steps}" if tag is None else str(tag)
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise UsageError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not {LATEST!r})")
+    try:
+        client = json.loads(json.dumps(client_state or {}))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"client_state must be JSON-serialisable: {exc}") from None
+    _agree(engine.synchronize, True)  # a write-back failing on one rank must not leave the others waiting
+    progress = engine.training_state()
+    final = os.path.join(save_dir, tag)
+    partial = os.path.join(save_dir, f".{tag}.partial")
+    _agree(_prepare, engine.rank == 0, save_dir, final, partial)
+    try:
+        crcs = _agree(_write_rank, True, engine, partial)
+    except BaseException:
+        if engine.rank == 0:  # every rank has closed its file: the preallocated space goes back now
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    rngs = _agree(rng.capture, True)
+    extras = [(key, value.detach().cpu()) for key, value in engine.state_entries().others]
+    manifest = Manifest(
+        format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
+        compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
+        client_state=client, files={rank_file(r): c for r, c in enumerate(crcs)},
+        extra_keys=[key for key, _ in extras], extra_crc32=0, layout=layout_records(engine), rng=rngs,
+    )
+    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, extras)
+    return final
+
+
+def _require_step_boundary(engine: Checkpointable, progress: TrainingState, what: str) -> None:
+    """Between optimizer steps no gradient is pending, so none is lost or mixed in."""
+    if progress.micro_steps != progress.global_steps * engine.accumulation:
+        raise UsageError(f"{what} in the middle of gradient accumulation (micro-step {progress.micro_steps}, "
+                         f"{engine.accumulation} per step, {progress.global_steps} steps done); call it after engine.step()")
+
+
+def _agree(action, acting: bool, *args):
+    """Run ``action`` where ``acting``, then share every rank's outcome: all
+    ranks return the actors' results in rank order, or all raise."""
+    result, error = None, None
+    if acting:
+        try:
+            result = action(*args)
+        except Exception as exc:  # any failure: the other ranks must hear of it, not wait in the collective
+            error = exc
+    outcomes = comm.all_gather_object((result, None if error is None else str(error)))
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"checkpoint failed on rank {rank}: {message}")
+    return [r for r, _ in outcomes]
+
+
+def _prepare(save_dir: str, final: str, partial: str) -> None:
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists; checkpoints are never overwritten: pass another tag or remove it")
+    os.makedirs(save_dir, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+    os.mkdir(partial)
+
+
+def _write_rank(engine: Checkpointable, partial: str) -> dict[str, list[int]]:
+    path = os.path.join(partial, rank_file(engine.rank))
+    owned = engine.layout.owned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, max(1, 3 * 4 * owned))  # a full disk fails here, naming the file
+        os.ftruncate(fd, 3 * 4 * owned)
+        writers = [SectionWriter(fd, i * 4 * owned) for i in range(3)]
+        for _, _, state in engine.shard_state():
+            for writer, row in zip(writers, state):
+                writer.write(row)
+        os.fsync(fd)
+    except OSError as exc:
+        raise StorageError(exc.errno, f"{path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    for writer in writers:
+        writer.finish()
+    return {name: w.crcs for name, w in zip(SECTIONS, writers)}
+
+
+def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, extras: list) -> None:
+    try:
+        if extras:
+            extra_path = os.path.join(partial, EXTRA)
+            write_safetensors(extra_path, [(k, v.dtype, tuple(v.shape)) for k, v in extras], extras)
+            with open(extra_path, "rb") as f:
+                manifest = dataclasses.replace(manifest, extra_crc32=zlib.crc32(f.read()))
+        write_synced(os.path.join(partial, MANIFEST), encode_manifest(manifest))
+        fsync_dir(partial)
+        os.rename(partial, final)
+        fsync_dir(save_dir)
+        latest = os.path.join(save_dir, LATEST)
+        write_synced(latest + ".partial", manifest.tag.encode())
+        os.replace(latest + ".partial", latest)
+        fsync_dir(save_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, dict]:
+    """Restore the state ``save`` wrote; a collective. Returns (directory, client_state).
+    A checksum failure part-way leaves the engine's state partly replaced:
+    load another checkpoint or rebuild the engine."""
+    _require_step_boundary(engine, engine.training_state(), "load_checkpoint")
+    directory = _agree(resolve, engine.rank == 0, load_dir, tag)[0]  # one tag for all, even if latest moves
+    loaded = {}
+
+    def prepare() -> None:
+        loaded["manifest"] = manifest = read_manifest(directory)
+        _check_fits(engine, directory, manifest)
+        engine.synchronize()
+        loaded["extras"] = read_extras(directory, manifest)
+
+    _agree(prepare, True)
+    manifest, extras = loaded["manifest"], loaded["extras"]
+    _agree(_load_rank, True, engine, directory, manifest)
+    entries = engine.module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, value in extras.items():
+            entries[key].copy_(value)
+    saved = manifest.training
+    # This run's accumulation may differ from the saving run's: its micro-step count follows.
+    engine.restore_training_state(dataclasses.replace(saved, micro_steps=saved.global_steps * engine.accumulation))
+    rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
+    return directory, manifest.client_state
+
+
+def _load_rank(engine: Checkpointable, directory: str, manifest: Manifest) -> None:
+    f = RankFile.open(directory, manifest, engine.rank)
+    try:
+        readers = [f.readers[s] for s in SECTIONS]
+
+        def fill(state: torch.Tensor) -> None:
+            for reader, row in zip(readers, state):
+                reader.read(row)
+
+        engine.load_shard_state(fill, manifest.training.optimizer_steps)
+    finally:
+        f.close()
+
+
+def _check_fits(engine: Checkpointable, directory: str, manifest: Manifest) -> None:
+    where = os.path.join(directory, MANIFEST)
+    if manifest.world_size != engine.world:
+        raise CheckpointError(f"{where}: saved by {manifest.world_size} ranks, loading on {engine.world}; "
+                              f"a checkpoint loads on the world size that wrote it (offload export gives the weights for any)")
+    mine = layout_records(engine)
+    if manifest.layout != mine:
+        for i, (saved, now) in enumerate(zip(manifest.layout, mine)):
+            if saved != now:
+                raise CheckpointError(f"{where}: bucket {i} holds {_describe(saved)} in the checkpoint, "
+                                      f"{_describe(now)} in this engine; the model or the "
+                                      f"bucket settings (stage, reduce_bucket_size) differ from the run that saved it")
+        raise CheckpointError(f"{where}: {len(manifest.layout)} buckets in the checkpoint, {len(mine)} in this "
+                              f"engine; the model differs from the run that saved it")
+    if len(manifest.rng) != manifest.world_size:
+        raise CheckpointError(f"{where}: {len(manifest.rng)} RNG states for {manifest.world_size} ranks; the manifest is damaged")
+    if manifest.extra_keys != [key for key, _ in engine.state_entries().others]:
+        raise CheckpointError(f"{where}: buffers and frozen parameters {manifest.extra_keys} differ from this model's")
+
+
+def _describe(bucket: BucketRecord) -> str:
+    return f"{[{'keys': p.keys, 'shape': p.shape} for p in bucket.params]} (part {bucket.part})"

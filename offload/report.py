@@ -1,0 +1,68 @@
+"""What the engine reports about itself: bytes per tier, disk traffic, step times.
+
+Each part of the engine (weights, reducer, owned gradient, optimizer) adds
+its own lines to a ``MemoryReport`` and gives its own ``DiskTraffic``; the
+engine only sums them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class DiskTraffic(NamedTuple):
+    """Bytes read from and written to swap files (headers included)."""
+
+    bytes_read: int
+    bytes_written: int
+
+    @staticmethod
+    def of(store) -> DiskTraffic:
+        io = store.stats()["io"]
+        return DiskTraffic(io["bytes_read"], io["bytes_written"])
+
+    def __add__(self, other: DiskTraffic) -> DiskTraffic:  # type: ignore[override]
+        return DiskTraffic(self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written)
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds of the last optimizer step's phases (for ``offload bench step`` and ``offload train``)."""
+
+    reduce: float = 0.0  # stage 1's reduce-scatter at the boundary
+    optimizer: float = 0.0  # the whole update: Adam, swaps, handing weights over
+    publish: float = 0.0  # the new weights into the model (stages 1-2: copy and all-gather)
+    dpu_wait: float = 0.0  # waiting for the delayed update in flight
+    optimizer_detail: dict = field(default_factory=dict)  # the optimizer's own split (StepTimes)
+
+
+class MemoryReport(dict):
+    """{(kind, tier): {"bytes": current, "peak_bytes": peak}}; str() is a table."""
+
+    def add(self, kind: str, tier: str, current: int, peak: int) -> None:
+        entry = self.setdefault((kind, tier), {"bytes": 0, "peak_bytes": 0})
+        entry["bytes"] += current
+        entry["peak_bytes"] += peak
+
+    def by_tier(self, which: str = "bytes") -> dict[str, int]:
+        """Totals of ``which`` ("bytes" or "peak_bytes") per tier: device, host (the pinned pools included), nvme."""
+        totals: dict[str, int] = {}
+        for (_, tier), v in self.items():
+            name = "host" if tier.startswith("host") else tier
+            totals[name] = totals.get(name, 0) + v[which]
+        return totals
+
+    def __str__(self) -> str:
+        lines = [f"{'what':28}{'tier':20}{'current':>14}{'peak':>14}"]
+        for (kind, tier), v in self.items():
+            lines.append(f"{kind:28}{tier:20}{human_bytes(v['bytes']):>14}{human_bytes(v['peak_bytes']):>14}")
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,223 @@
+"""This rank's owned gradient: what the reducer adds each reduced part into
+during backward, and what the optimizer reads, sub-group by sub-group, at the
+step. It lives in memory (``InMemoryGradient``: on the accelerator when the
+optimizer is there, else in host memory) or in swap files
+(``OnDiskGradient``, ``offload_optimizer.gradients_on_nvme``); both answer
+the same calls, so neither the reducer nor the optimizer asks which.
+
+Note [owned gradient dtype]
+The owned gradient is kept in the compute dtype when every owned element
+receives exactly one reduced part per step: at stage 1 (buckets reduce once,
+at the boundary) and without gradient accumulation. Adding one part into
+zeros is exact, so the values equal the fp32 copy bit for bit, and the native
+Adam reads bf16/fp16 gradients directly (half the bytes of fp32). With
+accumulation at stages 2 and 3 the parts of several micro-batches are summed,
+so the sum is kept in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from offload.report import DiskTraffic, MemoryReport
+from offload.store import AioSettings, TieredStore, pool_bytes
+from offload.zero.layout import SubGroups
+
+
+def gradient_dtype(compute: torch.dtype, stage: int, accumulation: int) -> torch.dtype:
+    """Note [owned gradient dtype]."""
+    return compute if stage == 1 or accumulation == 1 else torch.float32
+
+
+class OwnedGradient(Protocol):
+    dtype: torch.dtype
+
+    def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Owned elements [lo, hi) += values (any device, any floating dtype)."""
+
+    def end_of_backward(self) -> None:
+        """No more parts this backward pass."""
+
+    def stats(self) -> tuple[float, bool]:
+        """(sum of squares, all finite) of this window's gradient."""
+
+    def prefetch(self, groups: Iterable[int]) -> None:
+        """Sub-groups about to be read: start fetching them."""
+
+    def read(self, i: int) -> torch.Tensor:
+        """Sub-group i's gradient, valid until ``done(i)``."""
+
+    def done(self, i: int) -> None: ...
+
+    def zero(self) -> None:
+        """The next accumulation window starts from zero."""
+
+    def memory(self, report: MemoryReport) -> None: ...
+
+    def traffic(self) -> DiskTraffic: ...
+
+    def close(self) -> None: ...
+
+
+class InMemoryGradient:
+    """One buffer of the owned shard's size. It is allocated at the first part
+    added, not at construction: building a large model should not cost it."""
+
+    def __init__(self, groups: SubGroups, numel: int, dtype: torch.dtype, device: torch.device, pin: bool,
+                 tier: str) -> None:
+        self.groups, self.numel, self.dtype, self.device, self.pin = groups, numel, dtype, device, pin
+        self.tier = tier  # for the memory report: "device" or "host"
+        self._tensor: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = self._allocate()
+        return self._tensor
+
+    def _allocate(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
+
+    def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.tensor[lo:hi].add_(values if values.device == self.device else values.to(self.device))
+
+    def end_of_backward(self) -> None:
+        pass
+
+    def stats(self) -> tuple[float, bool]:
+        t = self.tensor
+        return t.double().square().sum().item(), bool(torch.isfinite(t).all())
+
+    def prefetch(self, groups: Iterable[int]) -> None:
+        pass
+
+    def read(self, i: int) -> torch.Tensor:
+        lo, hi = self.groups[i]
+        return self.tensor[lo:hi]
+
+    def done(self, i: int) -> None:
+        pass
+
+    def zero(self) -> None:
+        if self._tensor is not None:
+            self._tensor.zero_()
+
+    def take_window(self) -> InMemoryGradient:
+        """The delayed update's double buffer: the window just completed, as a
+        gradient of its own for the worker to read, while parts go on being
+        added into the other buffer (zeroed now; allocated the first time)."""
+        window = InMemoryGradient(self.groups, self.numel, self.dtype, self.device, self.pin, self.tier)
+        window._tensor = self.tensor
+        self._tensor = self._spare if self._spare is not None else self._allocate()
+        self._tensor.zero_()
+        self._spare = window._tensor
+        return window
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._tensor, self._spare) if t is not None)
+
+    def memory(self, report: MemoryReport) -> None:
+        report.add("gradients (owned)", self.tier, self.nbytes, self.nbytes)
+
+    def traffic(self) -> DiskTraffic:
+        return DiskTraffic(0, 0)
+
+    def close(self) -> None:
+        self._tensor = self._spare = None
+
+
+class OnDiskGradient:
+    """One swap file per sub-group. Backward adds into one sub-group at a
+    time, held resident until a part for another arrives, then written back;
+    its first touch in a window starts from zeros, unread."""
+
+    def __init__(self, groups: SubGroups, dtype: torch.dtype, nvme_path: str, aio: AioSettings, buffer_count: int,
+                 pin: bool | None) -> None:
+        self.groups, self.dtype = groups, dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        self.store = TieredStore(
+            nvme_path, aio=aio, pin_memory=pin,
+            pinned_limit_bytes=pool_bytes([element * groups.largest], buffer_count),
+            pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
+        )
+        zeros = torch.zeros(groups.largest, dtype=dtype)
+        for i, (lo, hi) in enumerate(groups):
+            self.store.put(self._key(i), zeros[: hi - lo], "nvme")
+        self._zeros = zeros  # what an untouched sub-group reads as
+        self._open: tuple[int, torch.Tensor] | None = None
+        self._touched: set[int] = set()  # sub-groups written in this accumulation window
+
+    @staticmethod
+    def _key(i: int) -> str:
+        return f"grad{i:05d}"
+
+    def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Parts arrive in backward order, from high offsets to low: a part across
+        a sub-group boundary is added from its top down, so the lower sub-group
+        stays open for the next part, and each sub-group is written once per
+        backward instead of bouncing between two."""
+        values = values.to("cpu")
+        open_group = None if self._open is None else self._open[0]
+        overlaps = sorted(self.groups.meeting(lo, hi), key=lambda o: (o[0] != open_group, -o[0]))
+        for i, g_lo, a, b in overlaps:
+            if self._open is None or self._open[0] != i:
+                self.end_of_backward()
+                key = self._key(i)
+                if i in self._touched:
+                    (buffer,) = self.store.get([key])
+                else:
+                    buffer = self.store.get_blank(key).zero_()
+                    self._touched.add(i)
+                self._open = (i, buffer)
+            self._open[1][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
+
+    def end_of_backward(self) -> None:
+        if self._open is not None:
+            self.store.release([self._key(self._open[0])], dirty=True)
+            self._open = None
+
+    def stats(self) -> tuple[float, bool]:
+        """One read pass over the sub-groups this window touched."""
+        self.end_of_backward()
+        total, finite = 0.0, True
+        for i in sorted(self._touched):
+            (g,) = self.store.get([self._key(i)])
+            total += g.double().square().sum().item()
+            finite = finite and bool(torch.isfinite(g).all())
+            self.store.release([self._key(i)], dirty=False)
+        return total, finite
+
+    def prefetch(self, groups: Iterable[int]) -> None:
+        self.store.prefetch(self._key(i) for i in groups if i in self._touched)
+
+    def read(self, i: int) -> torch.Tensor:
+        if i in self._touched:
+            (g,) = self.store.get([self._key(i)])
+            return g
+        lo, hi = self.groups[i]
+        return self._zeros[: hi - lo]  # no part reached this sub-group in the window
+
+    def done(self, i: int) -> None:
+        if i in self._touched:
+            self.store.release([self._key(i)], dirty=False)
+
+    def zero(self) -> None:
+        """Nothing is written now: the next window's first touch starts from zeros."""
+        self.end_of_backward()
+        self._touched.clear()
+
+    def memory(self, report: MemoryReport) -> None:
+        stats = self.store.stats()
+        report.add("gradients (owned)", "nvme", stats["nvme"]["bytes"], stats["nvme"]["peak_bytes"])
+        report.add("gradients (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+
+    def traffic(self) -> DiskTraffic:
+        return DiskTraffic.of(self.store)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,104 @@
+"""Applying an optimizer step to the weights: at once, or one step late.
+
+``ImmediateUpdate`` publishes each step's weights before the next forward.
+
+Note [delayed parameter update]
+With ``offload_optimizer.delayed_update``, ``DelayedUpdate`` runs the first
+``delayed_update_warmup`` steps as ``ImmediateUpdate`` does. After that, the
+CPU step for step t runs on a worker thread while the forward and backward of
+step t+1 run, and its weights are published at the boundary of step t+1. So
+step t+1's gradient is taken at the weights of step t-1: every gradient is
+one update stale, as in the ZeRO-Offload paper. The global norm, clipping and
+overflow checks still use the gradient being applied. The owned gradient is
+double-buffered (``InMemoryGradient.take_window``): the worker reads the
+window just completed while backward adds into the other buffer.
+
+Threads: only the worker touches the optimizer (and its store) while a step
+is in flight; the main thread waits for it (``finish``) before any other use:
+the next step, a checkpoint, a state dict, a memory report.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from offload.report import PhaseTimes
+from offload.zero.optimizer import ShardOptimizer
+from offload.zero.owned_grad import InMemoryGradient, OwnedGradient
+from offload.zero.weights import Weights
+
+
+class ImmediateUpdate:
+    def __init__(self, optimizer: ShardOptimizer, weights: Weights, gradient: OwnedGradient) -> None:
+        self.optimizer, self.weights, self.gradient = optimizer, weights, gradient
+
+    def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
+        """Step the optimizer with the owned gradient times ``multiplier`` for
+        the engine's step number ``step`` (0-based, overflow-skipped steps
+        included); the model runs with the new weights from the next forward on."""
+        start = time.perf_counter()
+        self.weights.begin_publish()
+        self.optimizer.step(self.gradient, multiplier, self.weights)
+        times.optimizer = time.perf_counter() - start
+        times.optimizer_detail = dict(vars(self.optimizer.times))
+        start = time.perf_counter()
+        self.weights.end_publish()
+        times.publish = time.perf_counter() - start
+        self.gradient.zero()
+
+    in_flight = False  # nothing ever is
+
+    def finish(self, times: PhaseTimes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DelayedUpdate:
+    """Note [delayed parameter update]."""
+
+    def __init__(self, optimizer: ShardOptimizer, weights: Weights, gradient: InMemoryGradient, warmup: int) -> None:
+        self.optimizer, self.weights, self.gradient = optimizer, weights, gradient
+        self.warmup = warmup
+        self._immediate = ImmediateUpdate(optimizer, weights, gradient)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-dpu")
+        self._pending: concurrent.futures.Future | None = None
+
+    def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
+        if step < self.warmup:  # counted from the run's first step, so a resumed run continues alike
+            self._immediate.apply(multiplier, step, times)
+            return
+        self.finish(times)  # publishes the previous step's weights
+        window = self.gradient.take_window()
+        hyper = self.optimizer.hyper  # the learning rate set for this step, not one set while it runs
+        self.weights.begin_publish()
+
+        def update() -> float:
+            start = time.perf_counter()
+            self.optimizer.step(window, multiplier, self.weights, hyper)
+            return time.perf_counter() - start
+
+        self._pending = self._worker.submit(update)
+
+    @property
+    def in_flight(self) -> bool:
+        """A step runs on the worker: it alone may use the optimizer and its store."""
+        return self._pending is not None
+
+    def finish(self, times: PhaseTimes) -> None:
+        """Wait for the step in flight, if any, and publish its weights."""
+        if self._pending is None:
+            return
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        times.optimizer = pending.result()  # re-raises the worker's error here, once
+        times.dpu_wait = time.perf_counter() - start
+        times.optimizer_detail = dict(vars(self.optimizer.times))
+        start = time.perf_counter()
+        self.weights.end_publish()
+        times.publish = time.perf_counter() - start
+
+    def close(self) -> None:
+        self._worker.shutdown()

@@ -1,0 +1,51 @@
+"""The owned gradient (Note [owned gradient dtype]): kept in the compute dtype
+when each element receives one reduced part per step, so the native Adam reads
+bf16 directly, with bitwise the same training as an fp32 copy; fp32 when
+micro-batches are summed."""
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.zero import optimizer as optimizer_module
+from offload.zero import owned_grad
+
+from .harness import config, make_model, train_engine
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+
+def _run(monkeypatch, cfg: dict, accumulation: int, force_fp32: bool):
+    if force_fp32:
+        monkeypatch.setattr(offload.engine, "gradient_dtype", lambda *args: torch.float32)
+    fed = set()
+    real = optimizer_module.adam_step
+
+    def spy(param, grad, *args, **kwargs):
+        fed.add(grad.dtype)
+        return real(param, grad, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "adam_step", spy)
+    with train_engine(make_model(), 6, accumulation, cfg) as engine:
+        state, dtype = engine.state_dict(), engine.gradient.dtype
+    monkeypatch.undo()
+    return state, dtype, fed
+
+
+@pytest.mark.parametrize("stage,on_disk", [(1, False), (2, False), (2, True), (3, False)])
+def test_a_bf16_owned_gradient_trains_bitwise_like_an_fp32_one(tmp_path, monkeypatch, stage, on_disk):
+    cfg = config(stage, "nvme" if on_disk else "cpu", 1, str(tmp_path), bf16={"enabled": True},
+                 param_device="cpu" if stage == 3 else None,
+                 offload_optimizer={"gradients_on_nvme": True} if on_disk else {})
+    compact, dtype, fed = _run(monkeypatch, cfg, 1, force_fp32=False)
+    wide, wide_dtype, wide_fed = _run(monkeypatch, cfg, 1, force_fp32=True)
+    assert dtype == torch.bfloat16 and fed == {torch.bfloat16}  # the kernel read bf16 gradients
+    assert wide_dtype == torch.float32 and wide_fed == {torch.float32}
+    assert all(torch.equal(compact[k], wide[k]) for k in compact)
+
+
+def test_summed_micro_batches_stay_fp32():
+    assert owned_grad.gradient_dtype(torch.bfloat16, 2, 4) == torch.float32
+    assert owned_grad.gradient_dtype(torch.bfloat16, 1, 4) == torch.bfloat16  # stage 1 sums in its buckets, reduces once
+    assert owned_grad.gradient_dtype(torch.float16, 3, 1) == torch.float16

@@ -31,6 +31,7 @@ setting as an ``aio`` config block.
 # the store's do. Every file has at least one block per thread (Layout.of), so
 # no job or worker is idle. The store also moves the 4 KiB headers (reads them
 # as one more chunk, writes them after the data): its byte counts include them.
+# fio times in whole milliseconds: under 1% at the default 1 GiB.
 
 from __future__ import annotations
 
@@ -277,6 +278,8 @@ def baseline(path: str, store: dict) -> dict:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.posix_fallocate(fd, 0, store["file_bytes"])
+            except OSError as exc:
+                raise StorageError(f"preallocate {store['file_bytes']:,} bytes for {p}: {exc.strerror} (errno {exc.errno})") from exc
             finally:
                 os.close(fd)
         job = tool(paths, store)
@@ -362,8 +365,9 @@ class _Dd:
                        "order": "process i moves a contiguous share of every file's blocks, files in order",
                        "write": "overwrite of preallocated files written once before timing"}
         self.notes = [("fio is not installed: dd keeps one request in flight per process and writes zeros; "
-                       "install fio for a baseline at the store's queue depth"),
-                      "order: dd processes move contiguous shares of each file; the store's threads interleave blocks"]
+                       "install fio for a baseline at the store's queue depth")]
+        if threads > 1:
+            self.notes.append("order: dd processes move contiguous shares of each file; the store's threads interleave blocks")
 
     def argvs(self, rw: str, share: tuple[int, int]) -> list[list[str]]:
         first, end = share

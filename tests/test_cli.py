@@ -63,50 +63,6 @@ def test_console_script_is_installed():
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
-@pytest.mark.parametrize("backend", ["native", "aiofiles"])
-def test_bench_swap_json_has_every_figure(tmp_path, capsys, backend):
-    argv = ["bench", "swap", "--path", str(tmp_path), "--size", "3M", "--block-size", "1M", "--queue-depth", "4",
-            "--repeats", "1", "--backend", backend, "--json"]
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    for key in ("write_gbps", "read_gbps", "baseline_write_gbps", "baseline_read_gbps", "first_put_gbps"):
-        assert result[key] > 0, key
-    assert result["baseline"] in ("fio", "dd")
-    assert os.listdir(tmp_path) == []  # store run dir and baseline scratch both removed
-
-
-@pytest.mark.skipif(not _native.status().available, reason="native library not built")
-def test_bench_swap_sweep_prints_a_config_block_and_saves_a_plot(tmp_path, capsys, monkeypatch):
-    from offload.cli import bench_swap
-
-    monkeypatch.setattr(bench_swap, "SWEEP_BLOCKS", [1 << 20, 2 << 20])
-    monkeypatch.setattr(bench_swap, "SWEEP_DEPTHS", [1, 4])
-    monkeypatch.setattr(bench_swap, "SWEEP_THREADS", [1, 2])
-    plot = tmp_path / "sweep.png"
-    data = tmp_path / "disk"
-    data.mkdir()
-    assert main(["bench", "swap", "--path", str(data), "--size", "2M", "--sweep", "--plot", str(plot)]) == 0
-    out = capsys.readouterr().out
-    block = json.loads(out[out.index("{"):])
-    assert set(block["aio"]) == {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events"}
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert out.count("\n") > 8  # the table: one row per point
-
-
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["bench", "swap", "--path", "/nonexistent/dir"], "is not an existing directory"),
-        (["bench", "swap", "--path", "/tmp", "--block-size", "1000"], "multiple of 4096"),
-        (["bench", "swap", "--path", "/tmp", "--size", "big"], "is not a size"),
-    ],
-)
-def test_bench_swap_bad_arguments_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.skipif(not _native.status().available, reason="native library not built")
 def test_bench_step_reports_breakdown_and_efficiencies(tmp_path, capsys):
     argv = ["bench", "step", "--model", "tiny", "--offload", "nvme", "--dpu", "--steps", "2",
             "--nvme-path", str(tmp_path), "--sub-group-size", "20000", "--json"]

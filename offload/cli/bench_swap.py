@@ -1,30 +1,51 @@
 """``offload bench swap``: how fast this disk swaps shards through the store, against fio (or dd).
 
-One measurement puts SIZE bytes as uint8 tensors (shards of up to 64 MiB)
-into a TieredStore on PATH (the first put: files created and preallocated,
-pinned buffers allocated), then swaps them as an offloaded optimizer does each
-step: reads them all back (checksums verified), then writes them all back.
+One measurement puts SIZE bytes as uint8 shards into a TieredStore on PATH
+(the first put: one file per shard, created and preallocated, pinned buffers
+allocated, written), then swaps them as an offloaded optimizer does each step:
+reads them all back (checksums verified), then overwrites them all in place.
 Buffered backends (aiofiles) are fsync'ed inside the write timing and their
 cached pages dropped before reading, so the figures are the disk's, not the
 page cache's; the page cache they filled is reported.
 
-The baseline runs in the same invocation: fio (libaio, O_DIRECT, same block
-size and queue depth) when installed, else dd with oflag/iflag=direct.
-``--sweep`` measures a grid of block size x queue depth x threads, prints a
-table, saves a plot, and prints the best setting as an ``aio`` config block.
+The baseline runs in the same invocation and repeats the store's I/O (Note
+[like with like]): the same files, block size, threads and queue depth,
+direct I/O where the store got it, and overwrites of written files. It is fio
+(libaio) when installed, else dd, which cannot keep a queue; whatever the
+baseline does not match is listed beside the figures.
+``--sweep`` measures a grid of block size x queue depth x threads, with the
+baseline at every point, prints a table, saves a plot, and prints the best
+setting as an ``aio`` config block.
 """
+
+# Note [like with like]
+# The store's native engine splits each shard's file into a 4 KiB header and
+# then block_size chunks, puts every chunk of every file, in file order, on one
+# queue, and runs thread_count workers that each keep their share of
+# queue_depth in flight (the split in offload_aio_create, native/aio.cpp).
+# Files are posix_fallocate'd and written by the first put; the timed write
+# overwrites those written blocks in place. fio mirrors this: the same files
+# (laid out the same way before timing), one job per store thread with that
+# thread's depth, job i moving blocks i, i+T, i+2T, ... of every file in file
+# order, so the blocks in flight form one window moving through the files as
+# the store's do. Every file has at least one block per thread (Layout.of), so
+# no job or worker is idle. The store also moves the 4 KiB headers (reads them
+# as one more chunk, writes them after the data): its byte counts include them.
+# fio times in whole milliseconds: under 1% at the default 1 GiB.
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import psutil
 import torch
@@ -32,21 +53,28 @@ import torch
 from offload import _native
 from offload.cli.args import positive_int
 from offload.cli.progress import Progress
-from offload.errors import UsageError
+from offload.errors import StorageError, UsageError
 from offload.store import AioSettings, TieredStore
+from offload.store.shard_file import ALIGN, HEADER_BYTES
 
 MiB = 1 << 20
 SHARD_BYTES = 64 * MiB
 SWEEP_BLOCKS = [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
 SWEEP_DEPTHS = [1, 2, 4, 8, 16, 32, 64]
 SWEEP_THREADS = [1, 2, 4, 8]
+# Store fields and the baseline fields that must equal them.
+MATCHED = (("files", "files"), ("file_bytes", "file_bytes"), ("data_offset", "data_offset"),
+           ("block_size", "block_size"), ("threads", "jobs"), ("depth_per_thread", "depth_per_job"),
+           ("total_depth", "total_depth"), ("direct", "direct"))
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p = benchmarks.add_parser("swap", help="swap throughput of a disk, against fio/dd, with an aio config to paste",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True, help="directory on the disk to measure (a private run directory is made in it)")
-    p.add_argument("--size", type=_binary, default=None, help="bytes to write and read (e.g. 1G = 1 GiB; default 1G, 256M per point with --sweep)")
+    p.add_argument("--size", type=_binary, default=None,
+                   help="bytes to write and read (e.g. 1G = 1 GiB; default 1G, 256M per point with --sweep); "
+                        "rounded up to whole files of whole blocks")
     p.add_argument("--block-size", type=_block, default=8 * MiB, help="aio block size (default 8M)")
     p.add_argument("--queue-depth", type=positive_int, default=32, help="requests in flight (default 32)")
     p.add_argument("--threads", type=positive_int, default=1, help="aio threads (default 1)")
@@ -81,13 +109,39 @@ def _binary(text: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The shards one measurement swaps: ``files`` of ``blocks`` whole blocks each."""
+
+    files: int
+    blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, size: int, block_size: int, threads: int) -> Layout:
+        # Whole blocks, so that every chunk is block_size on both sides; at least
+        # one per thread, so that every thread has work in every file.
+        blocks = max(threads, -(-min(SHARD_BYTES, size) // block_size))
+        return cls(-(-size // (blocks * block_size)), blocks, block_size)
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def data_bytes(self) -> int:
+        return self.files * self.shard_bytes
+
+
 def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
         raise UsageError(f"the native library is unavailable: {_native.status().reason}")
     if not os.path.isdir(args.path):
         raise UsageError(f"--path {args.path!r} is not an existing directory; create it or pick another")
     size = args.size or (256 * MiB if args.sweep else 1 << 30)
-    _check_room(args.path, size)
+    points = ([(b, t) for b in SWEEP_BLOCKS for t in SWEEP_THREADS] if args.sweep
+              else [(args.block_size, args.threads)])
+    _check_room(args.path, max(Layout.of(size, b, t).data_bytes for b, t in points))
     settings = AioSettings(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads,
                            backend=args.backend)
     if args.sweep:
@@ -103,58 +157,109 @@ def compare(path: str, size: int, settings: AioSettings, repeats: int, progress:
     """Store and baseline in alternating rounds (the disk's speed drifts); medians,
     and the median of each round's ratio."""
     bar = Progress(repeats, "swap rounds", enabled=progress)
-    rounds = []
+    rounds, described = [], {}
     for _ in range(repeats):
-        rounds.append({**measure(path, size, settings),
-                       **baseline(path, size, settings.block_size, settings.queue_depth)})
-        rounds[-1]["write_ratio"] = rounds[-1]["write_gbps"] / rounds[-1]["baseline_write_gbps"]
-        rounds[-1]["read_ratio"] = rounds[-1]["read_gbps"] / rounds[-1]["baseline_read_gbps"]
+        figures, described = _point(path, size, settings)
+        rounds.append(figures)
         bar.advance()
-    result = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "baseline"}
-    return {**result, "baseline": rounds[0]["baseline"], "repeats": repeats, "rounds": rounds}
+    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    return {**medians, **described, "repeats": repeats, "rounds": rounds}
+
+
+def _point(path: str, size: int, settings: AioSettings) -> tuple[dict, dict]:
+    """One store measurement and the baseline right after it: (figures, what each side did)."""
+    store = measure(path, size, settings)
+    base = baseline(path, store["store"])
+    figures = {k: v for k, v in {**store, **base}.items() if isinstance(v, (int, float))}
+    figures["write_ratio"] = figures["write_gbps"] / figures["baseline_write_gbps"]
+    figures["read_ratio"] = figures["read_gbps"] / figures["baseline_read_gbps"]
+    return figures, {k: v for k, v in {**store, **base}.items() if k not in figures}
 
 
 def measure(path: str, size: int, settings: AioSettings) -> dict:
-    """GB/s of the three phases of swapping ``size`` bytes through a TieredStore:
-    the first put (files created and preallocated, buffers allocated), then, as
-    an optimizer swaps its state every step, a read of it all and a write-back."""
-    shard = min(SHARD_BYTES, size)
-    counts = [shard] * (size // shard) + ([size % shard] if size % shard else [])
-    source = torch.randint(0, 256, (shard,), dtype=torch.uint8)
-    buffered = settings.backend != "native" or not settings.use_direct
+    """The three phases of swapping ``size`` bytes (rounded up to a Layout) through
+    a TieredStore: the first put (files created and preallocated, buffers
+    allocated), then, as an optimizer swaps its state every step, a read of it
+    all and a write-back. Bytes come from the store's own traffic counters;
+    ``store`` describes the files and settings as the store actually used them."""
+    layout = Layout.of(size, settings.block_size, settings.thread_count)
+    source = torch.randint(0, 256, (layout.shard_bytes,), dtype=torch.uint8)
     cached_before = psutil.virtual_memory().cached
-    with TieredStore(path, aio=settings, pinned_limit_bytes=size + (len(counts) + 4) * 3 * 4096 + shard) as store:
-        keys = [f"b{i}" for i in range(len(counts))]
-        start = time.perf_counter()
-        for key, n in zip(keys, counts):
-            store.put(key, source[:n], "nvme")
-        store.flush()
-        first_put_s = time.perf_counter() - start
-        _drop_cache(store, buffered)
-        start = time.perf_counter()
-        store.get(keys)
-        read_s = time.perf_counter() - start
-        start = time.perf_counter()
-        store.release(keys, dirty=True)
-        store.flush()
-        if buffered:
-            _for_each_file(store, os.fsync)
-        write_s = time.perf_counter() - start
+    pool = layout.data_bytes + (layout.files + 4) * 3 * ALIGN + layout.shard_bytes
+    with TieredStore(path, aio=settings, pinned_limit_bytes=pool) as store:
+        keys = [f"b{i}" for i in range(layout.files)]
+
+        def put_all() -> None:
+            for key in keys:
+                store.put(key, source, "nvme")
+            store.flush()
+
+        def write_back() -> None:
+            store.release(keys, dirty=True)
+            store.flush()
+            if buffered:
+                _for_each_file(store.swap_paths(), os.fsync)
+
+        first_put = _phase(store, "first_put", "bytes_written", put_all)
+        described = _describe_store(store, settings)
+        buffered = not described["direct"]
+        _drop_cache(store.swap_paths(), buffered)
+        read = _phase(store, "read", "bytes_read", lambda: store.get(keys))
+        write = _phase(store, "write", "bytes_written", write_back)
         page_cache = max(0, psutil.virtual_memory().cached - cached_before)
-        _drop_cache(store, buffered)
-    return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9,
-            "first_put_gbps": size / first_put_s / 1e9, "page_cache_bytes": page_cache}
+        _drop_cache(store.swap_paths(), buffered)
+    return {"store": described, **first_put, **read, **write, "page_cache_bytes": page_cache}
 
 
-def _drop_cache(store: TieredStore, buffered: bool) -> None:
+def _phase(store: TieredStore, name: str, counter: str, work) -> dict:
+    """Times ``work`` and counts the bytes the store's traffic counter ``counter`` moved in it."""
+    before = store.stats()["io"][counter]
+    start = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - start
+    moved = store.stats()["io"][counter] - before
+    return {f"{name}_bytes": moved, f"{name}_s": seconds, f"{name}_gbps": moved / seconds / 1e9}
+
+
+def _describe_store(store: TieredStore, settings: AioSettings) -> dict:
+    paths = store.swap_paths()
+    sizes = sorted({os.path.getsize(p) for p in paths})
+    depths = _depth_shares(settings.queue_depth, settings.thread_count)
+    return {"engine": settings.backend, "files": len(paths), "file_bytes": sizes[0] if len(sizes) == 1 else sizes,
+            "data_offset": HEADER_BYTES, "block_size": store.engine.block_size, "threads": settings.thread_count,
+            "depth_per_thread": depths, "total_depth": sum(depths),
+            "kernel_aio_threads": getattr(store.engine, "kernel_aio_workers", 0), "direct": _opened_direct(paths)}
+
+
+def _depth_shares(queue_depth: int, threads: int) -> list[int]:
+    """Requests each native worker keeps in flight: offload_aio_create's split (native/aio.cpp)."""
+    return [max(1, queue_depth // threads + (i < queue_depth % threads)) for i in range(threads)]
+
+
+def _opened_direct(paths: list[str]) -> bool:
+    """Whether this process holds every one of ``paths`` open with O_DIRECT, as
+    the kernel reports it: the engine falls back to buffered I/O on tmpfs and on
+    filesystems that refuse direct I/O."""
+    flags = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                flags[target] = int(next(line for line in info if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue
+    return all(flags.get(os.path.realpath(p), 0) & os.O_DIRECT for p in paths)
+
+
+def _drop_cache(paths: list[str], buffered: bool) -> None:
     """Make the next read come from the disk: flush dirty pages, then drop them."""
     if buffered:
-        _for_each_file(store, os.fsync)
-        _for_each_file(store, lambda fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))
+        _for_each_file(paths, os.fsync)
+        _for_each_file(paths, lambda fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))
 
 
-def _for_each_file(store: TieredStore, action) -> None:
-    for p in store.swap_paths():
+def _for_each_file(paths: list[str], action) -> None:
+    for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             action(fd)
@@ -162,28 +267,142 @@ def _for_each_file(store: TieredStore, action) -> None:
             os.close(fd)
 
 
-def baseline(path: str, size: int, block_size: int, queue_depth: int) -> dict:
-    """fio (libaio, direct) at the same block size and depth; dd with direct I/O if fio is missing."""
+def baseline(path: str, store: dict) -> dict:
+    """The store's I/O (``store``, as ``measure`` describes it) repeated by fio, or by
+    dd if fio is missing, in a scratch directory under ``path``: files laid out
+    as the first put does (untimed), then a timed read and a timed overwrite."""
+    tool = _Fio if shutil.which("fio") else _Dd
     with tempfile.TemporaryDirectory(prefix="offload-baseline-", dir=path) as scratch:
-        target = os.path.join(scratch, "baseline.dat")
-        if shutil.which("fio"):
-            bw = {}
-            for rw in ("write", "read"):
-                proc = subprocess.run(
-                    ["fio", "--name=offload-baseline", f"--filename={target}", f"--rw={rw}", f"--bs={block_size}",
-                     f"--iodepth={queue_depth}", f"--size={size}", "--ioengine=libaio", "--direct=1",
-                     "--numjobs=1", "--output-format=json"],
-                    capture_output=True, text=True, check=True)
-                bw[rw] = json.loads(proc.stdout)["jobs"][0][rw]["bw_bytes"] / 1e9
-            return {"baseline": "fio", "baseline_write_gbps": bw["write"], "baseline_read_gbps": bw["read"]}
-        blocks = max(1, size // block_size)
-        timings = {}
-        for rw, cmd in (("write", ["dd", "if=/dev/zero", f"of={target}", "oflag=direct"]),
-                        ("read", ["dd", f"if={target}", "of=/dev/null", "iflag=direct"])):
-            start = time.perf_counter()
-            subprocess.run(cmd + [f"bs={block_size}", f"count={blocks}"], capture_output=True, check=True)
-            timings[rw] = blocks * block_size / (time.perf_counter() - start) / 1e9
-        return {"baseline": "dd", "baseline_write_gbps": timings["write"], "baseline_read_gbps": timings["read"]}
+        paths = [os.path.join(scratch, f"shard-{i:06d}.dat") for i in range(store["files"])]
+        for p in paths:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, store["file_bytes"])
+            except OSError as exc:
+                raise StorageError(f"preallocate {store['file_bytes']:,} bytes for {p}: {exc.strerror} (errno {exc.errno})") from exc
+            finally:
+                os.close(fd)
+        job = tool(paths, store)
+        job.run("write")
+        figures = {}
+        for rw in ("read", "write"):
+            moved, seconds = job.run(rw)
+            figures.update({f"baseline_{rw}_bytes": moved, f"baseline_{rw}_s": seconds,
+                            f"baseline_{rw}_gbps": moved / seconds / 1e9})
+    return {"baseline": tool.name, "baseline_params": job.params,
+            "baseline_commands": {rw: job.commands(rw) for rw in ("write", "read")},
+            "unmatched": _unmatched(store, job.params) + job.notes, **figures}
+
+
+class _Fio:
+    """fio jobs that repeat the store's chunks (Note [like with like])."""
+
+    name = "fio"
+
+    def __init__(self, paths: list[str], store: dict) -> None:
+        self.paths = paths
+        self.block = store["block_size"]
+        self.blocks = (store["file_bytes"] - store["data_offset"]) // self.block
+        depths = store["depth_per_thread"]
+        self.params = {"tool": "fio", "ioengine": "libaio", "files": len(paths), "file_bytes": store["file_bytes"],
+                       "data_offset": store["data_offset"], "block_size": self.block, "jobs": len(depths),
+                       "depth_per_job": depths, "total_depth": sum(depths), "direct": store["direct"],
+                       "order": "job i moves blocks i, i+jobs, ... of every file, files in order",
+                       "write": "overwrite of preallocated files written once before timing"}
+        self.notes = []
+        if store["engine"] == "aiofiles":
+            self.notes.append("concurrency: aiofiles ignores queue depth and threads (one chunk at a time per file, "
+                              "files at once on asyncio's thread pool); fio keeps the depths listed")
+        elif store["kernel_aio_threads"] < store["threads"]:
+            self.notes.append(f"the kernel refused AIO to {store['threads'] - store['kernel_aio_threads']} store "
+                              "thread(s), which moved their chunks with pread/pwrite, one at a time")
+
+    def argv(self, rw: str) -> list[str]:
+        jobs = len(self.params["depth_per_job"])
+        names = ":".join(p.replace(":", "\\:") for p in self.paths)
+        argv = ["fio", "--output-format=json", "--group_reporting", "--thread", "--ioengine=libaio",
+                f"--direct={int(self.params['direct'])}", f"--bs={self.block}", f"--filename={names}",
+                "--file_service_type=sequential", "--invalidate=1"]
+        if rw == "write" and not self.params["direct"]:
+            argv.append("--end_fsync=1")  # as the store fsyncs buffered writes inside their timing
+        for i, depth in enumerate(self.params["depth_per_job"]):
+            stride = f":{(jobs - 1) * self.block}" if jobs > 1 else ""
+            per_file = len(range(i, self.blocks, jobs))
+            argv += [f"--name=job{i}", f"--rw={rw}{stride}", f"--offset={self.params['data_offset'] + i * self.block}",
+                     f"--io_size={per_file * self.block * len(self.paths)}", f"--iodepth={depth}"]
+        return argv
+
+    def commands(self, rw: str) -> list[str]:
+        return [shlex.join(self.argv(rw))]
+
+    def run(self, rw: str) -> tuple[int, float]:
+        proc = subprocess.run(self.argv(rw), check=False, capture_output=True, text=True)
+        if proc.returncode != 0:
+            why = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no message"]
+            raise StorageError(f"fio {rw} in {os.path.dirname(self.paths[0])} failed: {why[0]}")
+        group = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0][rw]
+        if group["runtime"] == 0:
+            raise UsageError(f"fio moved {group['io_bytes']:,} bytes in under a millisecond, too fast for its clock; "
+                             "pass a larger --size")
+        return group["io_bytes"], group["runtime"] / 1000
+
+
+class _Dd:
+    """dd, one process per store thread, each moving a contiguous share of every
+    file's blocks; it keeps one request in flight, so the depth cannot match."""
+
+    name = "dd"
+
+    def __init__(self, paths: list[str], store: dict) -> None:
+        self.paths = paths
+        self.block = store["block_size"]
+        blocks = (store["file_bytes"] - store["data_offset"]) // self.block
+        threads = store["threads"]
+        self.shares = [(i * blocks // threads, (i + 1) * blocks // threads) for i in range(threads)]
+        self.params = {"tool": "dd", "files": len(paths), "file_bytes": store["file_bytes"],
+                       "data_offset": store["data_offset"], "block_size": self.block, "jobs": threads,
+                       "depth_per_job": [1] * threads, "total_depth": threads, "direct": store["direct"],
+                       "order": "process i moves a contiguous share of every file's blocks, files in order",
+                       "write": "overwrite of preallocated files written once before timing"}
+        self.notes = [("fio is not installed: dd keeps one request in flight per process and writes zeros; "
+                       "install fio for a baseline at the store's queue depth")]
+        if threads > 1:
+            self.notes.append("order: dd processes move contiguous shares of each file; the store's threads interleave blocks")
+
+    def argvs(self, rw: str, share: tuple[int, int]) -> list[list[str]]:
+        first, end = share
+        direct = self.params["direct"]
+        offset = self.params["data_offset"] + first * self.block
+        common = [f"bs={self.block}", f"count={end - first}"]
+        if rw == "write":
+            return [["dd", "if=/dev/zero", f"of={p}", *common, f"seek={offset}",
+                     "oflag=seek_bytes" + (",direct" if direct else ""), "conv=notrunc" + ("" if direct else ",fsync")]
+                    for p in self.paths]
+        return [["dd", f"if={p}", "of=/dev/null", *common, f"skip={offset}",
+                 "iflag=skip_bytes" + (",direct" if direct else "")] for p in self.paths]
+
+    def commands(self, rw: str) -> list[str]:
+        return [shlex.join(argv) for share in self.shares for argv in self.argvs(rw, share)]
+
+    def run(self, rw: str) -> tuple[int, float]:
+        if rw == "read":
+            _drop_cache(self.paths, not self.params["direct"])
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(self.shares)) as pool:
+            list(pool.map(lambda share: [self._dd(argv) for argv in self.argvs(rw, share)], self.shares))
+        seconds = time.perf_counter() - start
+        return sum(end - first for first, end in self.shares) * self.block * len(self.paths), seconds
+
+    @staticmethod
+    def _dd(argv: list[str]) -> None:
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise StorageError(f"{shlex.join(argv)} failed: {(proc.stderr.strip().splitlines() or ['no message'])[-1]}")
+
+
+def _unmatched(store: dict, base: dict) -> list[str]:
+    return [f"{mine}: store {store[mine]}, {base['tool']} {base[theirs]}"
+            for mine, theirs in MATCHED if store[mine] != base[theirs]]
 
 
 def sweep(path: str, size: int, backend: str, plot_path: str, progress: bool) -> dict:
@@ -192,16 +411,15 @@ def sweep(path: str, size: int, backend: str, plot_path: str, progress: bool) ->
     rows = []
     for block, depth, threads in grid:
         settings = AioSettings(block_size=block, queue_depth=depth, thread_count=threads, backend=backend)
-        figures = measure(path, size, settings)
-        rows.append({"block_size": block, "queue_depth": depth, "thread_count": threads, **figures})
-        bar.advance(f"{block // MiB}M q{depth} t{threads}: w {figures['write_gbps']:.2f} r {figures['read_gbps']:.2f} GB/s")
+        figures, described = _point(path, size, settings)
+        rows.append({"block_size": block, "queue_depth": depth, "thread_count": threads, **figures,
+                     **{k: described[k] for k in ("store", "baseline_params", "unmatched")}})
+        bar.advance(f"{block // MiB}M q{depth} t{threads}: w {figures['write_ratio']:.2f}x r {figures['read_ratio']:.2f}x")
     # The best setting swaps a shard out and back in the least time: minimise 1/write + 1/read.
     best = min(rows, key=lambda r: 1 / r["write_gbps"] + 1 / r["read_gbps"])
-    result = {"path": path, "size": size, "backend": backend, "sweep": rows, "best": best,
-              **{"write_gbps": best["write_gbps"], "read_gbps": best["read_gbps"]},
-              **baseline(path, size, best["block_size"], best["queue_depth"])}
-    result["plot"] = _plot(rows, plot_path)
-    return result
+    return {"path": path, "size": size, "backend": backend, "baseline": described["baseline"], "sweep": rows,
+            "best": best, "write_gbps": best["write_gbps"], "read_gbps": best["read_gbps"],
+            "plot": _plot(rows, plot_path)}
 
 
 def aio_block(row: dict) -> str:
@@ -235,34 +453,60 @@ def _plot(rows: list[dict], path: str) -> str:
     return os.path.abspath(path)
 
 
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // 1024} KiB"
+
+
 def report(r: dict) -> str:
-    lines = []
     if "sweep" in r:
-        lines.append(f"offload bench swap --sweep on {r['path']}, {r['size'] / 1e9:.2f} GB per point, backend {r['backend']}\n")
-        lines.append(f"{'block':>7} {'depth':>6} {'threads':>8} {'write GB/s':>11} {'read GB/s':>10}")
-        for row in r["sweep"]:
-            lines.append(f"{row['block_size'] // MiB:>6}M {row['queue_depth']:>6} {row['thread_count']:>8} "
-                         f"{row['write_gbps']:>11.2f} {row['read_gbps']:>10.2f}")
-        best = r["best"]
-        lines += ["", f"best: {best['block_size'] // MiB}M blocks, depth {best['queue_depth']}, {best['thread_count']} threads: "
-                  f"write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s",
-                  f"{r['baseline']} at that block size and depth: write {r['baseline_write_gbps']:.2f} GB/s, "
-                  f"read {r['baseline_read_gbps']:.2f} GB/s",
-                  f"plot: {r['plot']}", "", "Paste into your config:", aio_block(best)]
-        return "\n".join(lines)
-    lines += [
-        f"offload bench swap on {r['path']}: {r['size'] / 1e9:.2f} GB, backend {r['backend']}, "
-        f"block {r['block_size'] // 1024} KiB, depth {r['queue_depth']}, {r['thread_count']} threads",
+        return _report_sweep(r)
+    store, base = r["store"], r["baseline_params"]
+    tool = f"{base['tool']} ({base.get('ioengine', 'sync')})"
+    files = f"{store['files']} file{'s' * (store['files'] > 1)}"
+    lines = [
+        (f"offload bench swap on {r['path']}: {files} of {_size(store['file_bytes'] - store['data_offset'])} "
+         f"after a {_size(store['data_offset'])} header, backend {store['engine']}"),
         "",
-        f"{'':24}{'write GB/s':>11}{'read GB/s':>11}",
-        f"{'offload store':24}{r['write_gbps']:>11.2f}{r['read_gbps']:>11.2f}",
-        f"{r['baseline'] + ' (direct I/O)':24}{r['baseline_write_gbps']:>11.2f}{r['baseline_read_gbps']:>11.2f}",
-        f"{'ratio (median of rounds)':24}{r['write_ratio']:>10.2f}x{r['read_ratio']:>10.2f}x",
+        f"{'':26}{'depth per thread':>17}{'block':>8}{'direct':>7}{'write GB/s':>11}{'read GB/s':>11}",
+    ]
+    for name, depths, side, prefix in ((f"offload store ({store['engine']})", store["depth_per_thread"], store, ""),
+                                       (tool, base["depth_per_job"], base, "baseline_")):
+        lines.append(f"{name:26}{'+'.join(map(str, depths)):>17}{_size(side['block_size']):>8}"
+                     f"{'yes' if side['direct'] else 'no':>7}{r[prefix + 'write_gbps']:>11.2f}{r[prefix + 'read_gbps']:>11.2f}")
+    lines += [
+        f"{'ratio (median of rounds)':26}{'':>32}{r['write_ratio']:>10.2f}x{r['read_ratio']:>10.2f}x",
+        "",
+        f"both sides: {base['write']}; {base['tool']}: {base['order']}",
+        (f"bytes per round, read/write: store {r['read_bytes']:,.0f}/{r['write_bytes']:,.0f} (with its headers), "
+         f"{base['tool']} {r['baseline_read_bytes']:,.0f}/{r['baseline_write_bytes']:,.0f}"),
+        *(["not matched:"] + [f"  {line}" for line in r["unmatched"]] if r["unmatched"] else
+          ["matched: files, file size, data offset, block size, threads = jobs, depth per thread, direct I/O"]),
         "",
         f"first put (create, preallocate, allocate buffers, write): {r['first_put_gbps']:.2f} GB/s",
         f"medians of {r['repeats']} interleaved rounds; each ratio compares a store round with the baseline run right after it",
         f"page cache filled by the writes: {r['page_cache_bytes'] / 1e9:.2f} GB",
+        f"the {base['tool']} command lines: --json, key baseline_commands",
     ]
+    return "\n".join(lines)
+
+
+def _report_sweep(r: dict) -> str:
+    tool = r["baseline"]
+    lines = [(f"offload bench swap --sweep on {r['path']}, {r['size'] / 1e9:.2f} GB per point, backend {r['backend']}; "
+              f"{tool} repeats the store's files, block size, threads and depth at every point\n"),
+             (f"{'block':>7} {'depth':>6} {'threads':>8} {'write GB/s':>11} {'read GB/s':>10} "
+              f"{tool + ' w':>8} {tool + ' r':>8} {'w ratio':>8} {'r ratio':>8}")]
+    for row in r["sweep"]:
+        lines.append(f"{row['block_size'] // MiB:>6}M {row['queue_depth']:>6} {row['thread_count']:>8} "
+                     f"{row['write_gbps']:>11.2f} {row['read_gbps']:>10.2f} {row['baseline_write_gbps']:>8.2f} "
+                     f"{row['baseline_read_gbps']:>8.2f} {row['write_ratio']:>7.2f}x {row['read_ratio']:>7.2f}x")
+    unmatched = sorted({line for row in r["sweep"] for line in row["unmatched"]})
+    best = r["best"]
+    lines += ["", (f"best: {best['block_size'] // MiB}M blocks, depth {best['queue_depth']}, {best['thread_count']} threads: "
+                   f"write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s; "
+                   f"{tool} at that point: write {best['baseline_write_gbps']:.2f} GB/s, read {best['baseline_read_gbps']:.2f} GB/s"),
+              *(["not matched at some points:"] + [f"  {line}" for line in unmatched] if unmatched else []),
+              f"plot: {r['plot']}", "", "Paste into your config:", aio_block(best)]
     return "\n".join(lines)
 
 
@@ -274,4 +518,3 @@ def _check_room(path: str, size: int) -> None:
     if available < size * 1.5:
         raise UsageError(f"--size {size / 1e9:.1f} GB needs about {size * 1.5 / 1e9:.1f} GB of free RAM for buffers, "
                         f"{available / 1e9:.1f} GB is available; pass a smaller --size")
-

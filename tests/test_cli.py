@@ -159,3 +159,22 @@ def test_only_offload_errors_become_one_line(monkeypatch, capsys, error, status,
     assert main(argv) == status
     err = capsys.readouterr().err
     assert err == f"offload export: error: {error}\n"
+
+
+@pytest.mark.parametrize("argv,attr,expected", [
+    (["train", "--model", "5m"], "model", "5M"),
+    (["train", "--model", "TINY"], "model", "tiny"),
+    (["bench", "step", "--model", "25m"], "model", "25M"),
+])
+def test_model_names_in_any_case(argv, attr, expected):
+    """A size name is read in any case, as counts are (`--params 13b`), and reported in its own spelling."""
+    from offload.cli import build_parser
+
+    assert getattr(build_parser().parse_args(argv), attr) == expected
+
+
+def test_estimate_takes_a_size_name_in_any_case(capsys):
+    from offload.models.gpt import SIZES
+
+    assert main(["estimate", "--model-config", "85m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == SIZES["85M"].params()

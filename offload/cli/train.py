@@ -32,7 +32,7 @@ import time
 import torch
 
 import offload
-from offload.cli.args import gpt_config, positive_int, seed
+from offload.cli.args import gpt_config, model_name, positive_int, seed
 from offload.cli.progress import Progress
 from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
@@ -48,7 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train the bundled GPT on the bundled text (the main job)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="engine config, DeepSpeed-style JSON (default: stage 2, optimizer on NVMe)")
-    p.add_argument("--model", default="5M", help=f"bundled size ({', '.join(SIZES)}) or a JSON file of "
+    p.add_argument("--model", type=model_name, default="5M", help=f"bundled size ({', '.join(SIZES)}; any case) or a JSON file of "
                    f"{', '.join(f.name for f in dataclasses.fields(GPTConfig))} (default 5M)")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's block size)")

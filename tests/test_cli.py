@@ -1,6 +1,7 @@
 """The command line: `offload bench adam` reports every promised figure, and
 bad arguments exit with status 2 and one line, without a traceback."""
 
+import io
 import json
 import os
 import subprocess
@@ -178,3 +179,47 @@ def test_estimate_takes_a_size_name_in_any_case(capsys):
 
     assert main(["estimate", "--model-config", "85m", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] == SIZES["85M"].params()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+    def fileno(self):
+        return 2
+
+
+NOTE = "loss 3.142 | 12,345 tok/s | compute 12ms optim 3ms swap 0ms | device 942.0 KiB host 2.3 MiB nvme 1.4 MiB"
+
+
+@pytest.mark.parametrize("columns", [80, 40, 200])
+def test_progress_bar_fits_the_terminal(monkeypatch, columns):
+    """On a terminal the bar is redrawn in place, one column narrower than the
+    terminal: a wider line wraps, and each redraw then scrolls a new line."""
+    from offload.cli.progress import Progress
+
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    bar = Progress(3, "train")
+    for _ in range(3):
+        bar.advance(NOTE)
+    drawn = err.getvalue().split("\r")[1:]
+    assert [len(line.rstrip("\n")) for line in drawn] == [columns - 1] * 3
+    assert drawn[-1].startswith("train [") and " 3/3 " in drawn[-1] and drawn[-1].endswith("\n")
+    assert ("nvme 1.4 MiB" in drawn[-1]) == (columns == 200)  # the note is cut to fit, not wrapped
+
+
+def test_progress_bar_measures_the_terminal_it_draws_on(monkeypatch):
+    """With stdout piped (`offload train | tee log`) the width is stderr's terminal's."""
+    from offload.cli import progress
+
+    def terminal_size(fd):
+        if fd != 2:
+            raise OSError("not a terminal")
+        return os.terminal_size((57, 24))
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", terminal_size)
+    assert progress.terminal_columns() == 57

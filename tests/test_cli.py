@@ -223,3 +223,32 @@ def test_progress_bar_measures_the_terminal_it_draws_on(monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.setattr(os, "get_terminal_size", terminal_size)
     assert progress.terminal_columns() == 57
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["train", "--stpes", "5"],
+     "offload train: error: unrecognized arguments: --stpes 5; did you mean --steps? (see offload train --help)"),
+    (["train", "--steps=5", "--seq-lenn=3"],
+     "offload train: error: unrecognized arguments: --seq-lenn=3; did you mean --seq-len? (see offload train --help)"),
+    (["bench", "step", "--offlaod", "nvme"],
+     "offload bench step: error: unrecognized arguments: --offlaod nvme; did you mean --offload? "
+     "(see offload bench step --help)"),
+    (["trian"], "offload: error: argument COMMAND: invalid choice: 'trian'; did you mean 'train'? (see offload --help)"),
+    (["bench", "stpe"],
+     "offload bench: error: argument BENCHMARK: invalid choice: 'stpe'; did you mean 'step'? (see offload bench --help)"),
+])
+def test_a_typo_gets_the_nearest_name_and_the_help_page_that_lists_it(capsys, argv, line):
+    """One line, status 2, the nearest valid name, and the help page of the
+    subcommand at fault: the top-level one lists no subcommand's options."""
+    from offload.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+    # the help page the line names lists the name it suggests
+    help_page = line[line.rindex("(see ") + 5:-len(" --help)")].split()[1:]
+    suggestion = line.split("did you mean ")[1].split("?")[0].strip("'")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(help_page + ["--help"])
+    assert suggestion in capsys.readouterr().out

@@ -252,3 +252,26 @@ def test_a_typo_gets_the_nearest_name_and_the_help_page_that_lists_it(capsys, ar
     with pytest.raises(SystemExit):
         build_parser().parse_args(help_page + ["--help"])
     assert suggestion in capsys.readouterr().out
+
+
+def test_only_the_first_sigint_raises():
+    """torchrun passes the terminal's Ctrl-C on to every rank, and users press it
+    twice: after the first, SIGINT no longer cuts cleanup short (Note [Ctrl-C])."""
+    import signal
+
+    from offload.cli.interrupt import Sigint
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sigint = Sigint()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert sigint.finish()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # `offload train &`: the shell keeps Ctrl-C from it
+        ignored = Sigint()
+        signal.raise_signal(signal.SIGINT)
+        assert not ignored.finish() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

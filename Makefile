@@ -5,18 +5,34 @@
 PYTHON ?= python3
 TORCH_VERSION := 2.13.0
 
-.PHONY: install train test
+# The install is remembered by a stamp per Python environment (sys.prefix, so
+# each venv has its own) under build/, which git ignores: it is redone when
+# pyproject.toml, the native sources, this file or the interpreter changes, or
+# when the native library is gone; a fresh clone has no stamp and installs.
+ENV := $(shell $(PYTHON) -c "import hashlib, os, sys, sysconfig; \
+	print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12], os.path.realpath(sys.executable), \
+	sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
+ifeq ($(ENV),)
+$(error $(PYTHON) does not run; set PYTHON to a Python >= 3.10, e.g. make test PYTHON=python3.11)
+endif
+STAMP := build/install-$(word 1,$(ENV)).stamp
+NATIVE_LIB := offload/_native_lib$(word 3,$(ENV))
+
+.PHONY: install train test FORCE
+
+install: $(STAMP)
 
 # Reuse an importable torch (a CUDA build on a GPU machine must not be
 # replaced); install torch==$(TORCH_VERSION) only when there is none (on the
 # project's CPU machines pip takes a CPU build of it from local disk).
-install:
+$(STAMP): pyproject.toml Makefile $(wildcard native/*) $(word 2,$(ENV)) $(if $(wildcard $(NATIVE_LIB)),,FORCE)
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "offload: using the installed torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
 	else \
 		$(PYTHON) -m pip install "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PYTHON) -m pip install -e ".[test]"
+	@mkdir -p $(@D) && touch $@
 
 # The main job: the bundled GPT on the bundled text, optimizer state on NVMe in
 # a temporary directory (about a minute on 2 cores); results under runs/.

@@ -1,6 +1,7 @@
 """The command line: `offload bench adam` reports every promised figure, and
 bad arguments exit with status 2 and one line, without a traceback."""
 
+import io
 import json
 import os
 import subprocess
@@ -115,3 +116,118 @@ def test_only_offload_errors_become_one_line(monkeypatch, capsys, error, status,
     assert main(argv) == status
     err = capsys.readouterr().err
     assert err == f"offload export: error: {error}\n"
+
+
+@pytest.mark.parametrize("argv,attr,expected", [
+    (["train", "--model", "5m"], "model", "5M"),
+    (["train", "--model", "TINY"], "model", "tiny"),
+    (["bench", "step", "--model", "25m"], "model", "25M"),
+])
+def test_model_names_in_any_case(argv, attr, expected):
+    """A size name is read in any case, as counts are (`--params 13b`), and reported in its own spelling."""
+    from offload.cli import build_parser
+
+    assert getattr(build_parser().parse_args(argv), attr) == expected
+
+
+def test_estimate_takes_a_size_name_in_any_case(capsys):
+    from offload.models.gpt import SIZES
+
+    assert main(["estimate", "--model-config", "85m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == SIZES["85M"].params()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+    def fileno(self):
+        return 2
+
+
+NOTE = "loss 3.142 | 12,345 tok/s | compute 12ms optim 3ms swap 0ms | device 942.0 KiB host 2.3 MiB nvme 1.4 MiB"
+
+
+@pytest.mark.parametrize("columns", [80, 40, 200])
+def test_progress_bar_fits_the_terminal(monkeypatch, columns):
+    """On a terminal the bar is redrawn in place, one column narrower than the
+    terminal: a wider line wraps, and each redraw then scrolls a new line."""
+    from offload.cli.progress import Progress
+
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    bar = Progress(3, "train")
+    for _ in range(3):
+        bar.advance(NOTE)
+    drawn = err.getvalue().split("\r")[1:]
+    assert [len(line.rstrip("\n")) for line in drawn] == [columns - 1] * 3
+    assert drawn[-1].startswith("train [") and " 3/3 " in drawn[-1] and drawn[-1].endswith("\n")
+    assert ("nvme 1.4 MiB" in drawn[-1]) == (columns == 200)  # the note is cut to fit, not wrapped
+
+
+def test_progress_bar_measures_the_terminal_it_draws_on(monkeypatch):
+    """With stdout piped (`offload train | tee log`) the width is stderr's terminal's."""
+    from offload.cli import progress
+
+    def terminal_size(fd):
+        if fd != 2:
+            raise OSError("not a terminal")
+        return os.terminal_size((57, 24))
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", terminal_size)
+    assert progress.terminal_columns() == 57
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["train", "--stpes", "5"],
+     "offload train: error: unrecognized arguments: --stpes 5; did you mean --steps? (see offload train --help)"),
+    (["train", "--steps=5", "--seq-lenn=3"],
+     "offload train: error: unrecognized arguments: --seq-lenn=3; did you mean --seq-len? (see offload train --help)"),
+    (["bench", "step", "--offlaod", "nvme"],
+     "offload bench step: error: unrecognized arguments: --offlaod nvme; did you mean --offload? "
+     "(see offload bench step --help)"),
+    (["trian"], "offload: error: argument COMMAND: invalid choice: 'trian'; did you mean 'train'? (see offload --help)"),
+    (["bench", "stpe"],
+     "offload bench: error: argument BENCHMARK: invalid choice: 'stpe'; did you mean 'step'? (see offload bench --help)"),
+])
+def test_a_typo_gets_the_nearest_name_and_the_help_page_that_lists_it(capsys, argv, line):
+    """One line, status 2, the nearest valid name, and the help page of the
+    subcommand at fault: the top-level one lists no subcommand's options."""
+    from offload.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+    # the help page the line names lists the name it suggests
+    help_page = line[line.rindex("(see ") + 5:-len(" --help)")].split()[1:]
+    suggestion = line.split("did you mean ")[1].split("?")[0].strip("'")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(help_page + ["--help"])
+    assert suggestion in capsys.readouterr().out
+
+
+def test_only_the_first_sigint_raises():
+    """torchrun passes the terminal's Ctrl-C on to every rank, and users press it
+    twice: after the first, SIGINT no longer cuts cleanup short (Note [Ctrl-C])."""
+    import signal
+
+    from offload.cli.interrupt import Sigint
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sigint = Sigint()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert sigint.finish()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # `offload train &`: the shell keeps Ctrl-C from it
+        ignored = Sigint()
+        signal.raise_signal(signal.SIGINT)
+        assert not ignored.finish() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,12 +1,18 @@
 """`offload train`: the main job end to end at a tiny size, every ready config
-in configs/, two ranks under torchrun, and one-line errors for bad input."""
+in configs/ (the default among them), two ranks under torchrun, Ctrl-C, and
+one-line errors for bad input."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
+import torch
 
 from offload import _native
 from offload.cli import main
@@ -41,16 +47,41 @@ def test_train_end_to_end(tmp_path, capsys):
     assert os.listdir(nvme) == []
 
 
+def _temporary_directory(tmp_path) -> dict:
+    """An environment whose temporary directory is tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir()
+    # torch makes its compile cache there on first import unless told where it is: not ours to remove
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch-cache")}
+
+
 @native
-def test_the_default_temporary_directory_is_removed(tmp_path):
+def test_the_default_temporary_directory_is_named_and_removed(tmp_path):
+    """With no --config, the first line names configs/train_default.json and the
+    temporary swap directory; the run trains with that file, and removes the directory."""
     scratch = tmp_path / "tmp"
-    scratch.mkdir()
     proc = subprocess.run([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "2",
                            "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)}, timeout=300)
+                          capture_output=True, text=True, env=_temporary_directory(tmp_path), timeout=300,
+                          cwd=ROOT)  # so that `-m offload` is this checkout's, and names its configs relative to it
     assert proc.returncode == 0, proc.stderr
-    assert summary_of(tmp_path / "out")["steps"] == 2
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("offload train: config configs/train_default.json (ZeRO stage 2, optimizer on nvme, ")
+    assert re.search(f"swap files in {re.escape(str(scratch))}/offload-train-\\w+ \\(temporary", first), first
+    s = summary_of(tmp_path / "out")
+    with open(os.path.join(ROOT, "configs", "train_default.json")) as f:
+        default = json.load(f)
+    assert s["config"]["optimizer"]["params"]["lr"] == default["optimizer"]["params"]["lr"]
+    assert s["config"]["zero_optimization"]["sub_group_size"] == default["zero_optimization"]["sub_group_size"]
+    assert s["config"]["bf16"]["enabled"] == torch.cuda.is_available()  # the file leaves the precision to train
     assert os.listdir(scratch) == []
+
+
+def test_help_names_the_default_config_and_where_swap_files_go(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "configs/train_default.json" in text
+    assert f"a new temporary directory in {tempfile.gettempdir()}" in text
 
 
 @native
@@ -93,6 +124,107 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert s["world_size"] == 2 and s["tokens_per_step"] == 2 * 8 * 64
     assert s["eval_loss_end"] < s["eval_loss_start"]
     assert proc.stdout.count("trained GPT") == 1  # rank 0 reports
+
+
+def _interrupt(argv, tmp_path):
+    """Runs argv, sends it SIGINT (as Ctrl-C does) once rank 0 has reported its
+    first step, and returns (exit status, stderr lines)."""
+    env = {**_temporary_directory(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            # as at a terminal: a runner started in the background may have SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("train ["):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate()
+    finally:
+        watchdog.cancel()
+    return proc.returncode, lines + rest.splitlines()
+
+
+INTERRUPTED = r"offload train: interrupted after \d+ of 100000 steps; removed its swap files and the empty {}"
+
+
+@native
+def test_ctrl_c_prints_one_line_and_leaves_nothing_behind(tmp_path):
+    """Exit status 130, no traceback, and what the run made is gone: the
+    temporary swap directory and the --out directory, still empty."""
+    out = tmp_path / "out"
+    status, lines = _interrupt([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "100000",
+                                "--out", str(out)], tmp_path)
+    assert status == 130, lines
+    said = [line for line in lines if not line.startswith("train [")]
+    assert len(said) == 2 and said[0].startswith("offload train: config "), lines
+    assert re.fullmatch(INTERRUPTED.format(re.escape(str(out))), said[1]), said[1]
+    assert os.listdir(tmp_path / "tmp") == [] and not out.exists()
+
+
+@native
+def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path):
+    """torchrun passes Ctrl-C on to each rank; a rank then may be waiting in a
+    collective for one that has already left. Rank 0 says one line, the other
+    rank nothing, neither a traceback. torchrun's own report (a warning per
+    rank and its traceback, exit status 1) is its own."""
+    out = tmp_path / "out"
+    status, lines = _interrupt(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--out", str(out)], tmp_path)
+    assert status != 0
+    text = "\n".join(lines)
+    assert "KeyboardInterrupt" not in text and os.sep + "offload" + os.sep not in text, text  # no frame of ours
+    said = [line for line in lines if line.startswith("offload train: interrupted")]
+    assert len(said) == 1 and re.fullmatch(INTERRUPTED.format(re.escape(str(out))), said[0]), text
+    assert [name for name in os.listdir(tmp_path / "tmp") if not name.startswith("torchelastic_")] == []
+    assert not out.exists()
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT as in a terminal, whatever the test runner was started with."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_error_after_ctrl_c_is_reported_as_the_interruption(monkeypatch, capsys, default_sigint):
+    """A rank waiting in a collective when Ctrl-C comes raises the collective's
+    error first (its peer has left) and handles the SIGINT later, in cleanup.
+    Cleanup runs to its end anyway, and the run ends as interrupted: Note [Ctrl-C]."""
+    from offload.cli import train
+
+    closed = []
+
+    class Engine:
+        def close(self):
+            signal.raise_signal(signal.SIGINT)  # handled here, at the first call after it arrived
+            closed.append(True)
+
+    def run(args, model_config, seq_len, raw, made):
+        made.engine = Engine()
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setattr(train, "_run", run)
+    assert main(["train", "--model", "tiny"]) == 130
+    assert closed == [True]
+    assert capsys.readouterr().err == "offload train: interrupted before training; nothing to remove\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_without_ctrl_c_keeps_its_traceback(monkeypatch, default_sigint):
+    from offload.cli import train
+
+    def run(args, model_config, seq_len, raw, made):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setattr(train, "_run", run)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        main(["train", "--model", "tiny"])
 
 
 def _write(tmp_path, name, text):

@@ -8,6 +8,7 @@ the problem; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from offload.cli import bench_adam, bench_step, bench_swap, estimate, export, plan, train
@@ -15,10 +16,48 @@ from offload.errors import OffloadError
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+    """argparse, but a usage error is one line that points to the help page of
+    the (sub)command at fault and, for a misspelt name, to the nearest valid one."""
+
+    commands: argparse._SubParsersAction | None = None
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_subparsers(self, **kwargs):
+        self.commands = super().add_subparsers(**kwargs)  # subparsers are _Parsers too: argparse uses type(self)
+        return self.commands
+
+    def parse_args(self, args=None, namespace=None):
+        # Options no subcommand knows come back up to the top-level parser; the
+        # subcommand given them reports them, as only its help lists its options.
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(namespace)
+            options = [option for action in parser._actions for option in action.option_strings]
+            nearest = [_nearest(extra.split("=")[0], options) for extra in extras if extra.startswith("-")]
+            hint = " and ".join(name for name in nearest if name)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {hint}?" if hint else ""))
+        return namespace
+
+    def _check_value(self, action, value):
+        # argparse checks every choice here, subcommands included (Python 3.14's suggest_on_error does the same).
+        if action.choices is not None and value not in action.choices:
+            nearest = _nearest(str(value), [str(choice) for choice in action.choices])
+            if nearest:
+                raise argparse.ArgumentError(action, f"invalid choice: {value!r}; did you mean {nearest!r}?")
+        super()._check_value(action, value)
+
+    def _chosen(self, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost subcommand's parser (``offload bench step``'s for that command line)."""
+        if self.commands is None:
+            return self
+        chosen = self.commands.choices.get(getattr(namespace, self.commands.dest, None))
+        return self if chosen is None else chosen._chosen(namespace)
+
+
+def _nearest(name: str, names: list[str]) -> str | None:
+    return next(iter(difflib.get_close_matches(name, names, n=1)), None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ import math
 import os
 
 from offload.errors import UsageError
-from offload.models.gpt import SIZES, GPTConfig
+from offload.models.gpt import SIZES, GPTConfig, size_name
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -77,10 +77,16 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def model_name(text: str) -> str:
+    """A bundled size's own spelling of ``text`` (``5m`` -> ``5M``); anything else (a JSON path) as given."""
+    return size_name(text) or text
+
+
 def gpt_config(choice: str) -> GPTConfig:
-    """A bundled GPT size by name, or a model-config JSON file."""
-    if choice in SIZES:
-        return SIZES[choice]
+    """A bundled GPT size by name (in any case), or a model-config JSON file."""
+    name = size_name(choice)
+    if name is not None:
+        return SIZES[name]
     if not os.path.isfile(choice):
         raise UsageError(f"model {choice!r} is neither a bundled size ({', '.join(SIZES)}) nor a JSON file")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}

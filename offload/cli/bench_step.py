@@ -28,7 +28,7 @@ import torch
 import offload
 from offload import _native
 from offload.cli import bench_swap
-from offload.cli.args import positive_int
+from offload.cli.args import model_name, positive_int
 from offload.cli.progress import Progress
 from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
@@ -40,7 +40,8 @@ PARTS = ("forward", "backward", "gradient_copy", "optimizer", "swap_wait", "uplo
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p = benchmarks.add_parser("step", help="training step time breakdown and offload efficiencies",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SIZES), default="25M", help="bundled GPT size (default 25M)")
+    p.add_argument("--model", type=model_name, choices=sorted(SIZES), default="25M",
+                   help="bundled GPT size, in any case (default 25M)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="nvme", help="optimizer state tier (default nvme)")
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (default 2)")
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",

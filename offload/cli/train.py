@@ -2,10 +2,13 @@
 
 With no arguments: a 4.8M-parameter byte-level GPT (``--model 5M``) learns
 to write Python from the standard library's own sources (nothing is
-downloaded), with ZeRO stage 2 and the optimizer state on NVMe in a temporary
-directory that is removed afterwards. ``--config`` takes any engine config
-(``configs/`` has ready ones); the options below override its batch size and
-NVMe paths.
+downloaded), with the config ``configs/train_default.json``: ZeRO stage 2 and
+the optimizer state on NVMe, in a temporary directory that is removed
+afterwards. ``--config`` takes any engine config (``configs/`` has ready
+ones); the options below override its batch size and NVMe paths. A config
+that sets neither ``bf16`` nor ``fp16`` (as the default one) computes in
+bf16 where CUDA is available, else in fp32. The first line of output names
+the config, the swap directory and the output directory.
 
 The learning rate warms up linearly over the first tenth of the steps, then
 decays along a cosine to a tenth of the config's ``optimizer.params.lr``.
@@ -15,24 +18,30 @@ the rest, and the bytes held per tier. At the end, a summary JSON and a
 loss-curve PNG are written to --out. Under ``torchrun --nproc_per_node N -m
 offload train`` every rank trains on different batches (gloo on CPU, NCCL on
 GPUs); rank 0 reports.
+
+Ctrl-C stops the run: the swap files go, and so does an --out directory the
+run made and left empty; one line says so, and the exit status is 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 import offload
-from offload.cli.args import gpt_config, positive_int, seed
+from offload.cli.args import gpt_config, model_name, positive_int, seed
+from offload.cli.interrupt import EXIT_STATUS, Sigint
 from offload.cli.progress import Progress
 from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
@@ -42,26 +51,32 @@ from offload.report import human_bytes
 from offload.zero import comm
 
 EVAL_BATCHES = 4
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "configs", "train_default.json")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train the bundled GPT on the bundled text (the main job)",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="engine config, DeepSpeed-style JSON (default: stage 2, optimizer on NVMe)")
-    p.add_argument("--model", default="5M", help=f"bundled size ({', '.join(SIZES)}) or a JSON file of "
+    p.add_argument("--config", default=None, help="engine config, DeepSpeed-style JSON "
+                   f"(default {_shown(DEFAULT_CONFIG)}: stage 2, optimizer on NVMe)")
+    p.add_argument("--model", type=model_name, default="5M",
+                   help=f"bundled size ({', '.join(SIZES)}; any case) or a JSON file of "
                    f"{', '.join(f.name for f in dataclasses.fields(GPTConfig))} (default 5M)")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's block size)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch per rank (default: the config's, else 8)")
-    p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary directory, removed after)")
+    p.add_argument("--nvme-path", default=None, help="directory for swap files (default: the config's nvme_path, else "
+                   f"a new temporary directory in {tempfile.gettempdir()}, removed after)")
     p.add_argument("--seed", type=seed, default=0, help="seed for the weights and the batches (default 0)")
     p.add_argument("--out", default=None, help="directory for summary.json and loss.png (default runs/train-<time>)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Everything the user gave is checked before anything is created or trained."""
+    """Everything the user gave is checked before anything is created or trained.
+    What the run makes goes again when it fails or is interrupted: Note [Ctrl-C]."""
     model_config = gpt_config(args.model)
     seq_len = args.seq_len or model_config.block_size
     if seq_len > model_config.block_size:
@@ -69,35 +84,96 @@ def run(args: argparse.Namespace) -> int:
     if model_config.vocab_size < 256:
         raise UsageError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
                         f"so the model needs a vocabulary of at least 256")
-    scratch = tempfile.mkdtemp(prefix="offload-train-") if args.nvme_path is None else None
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    raw = _raw_config(args)
+    made = _Made(reporting=int(os.environ.get("RANK", "0")) == 0)
+    sigint = Sigint()
     try:
-        config = _engine_config(args, scratch)
-        out_dir = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
-        reporting = int(os.environ.get("RANK", "0")) == 0
-        if reporting:
-            _make_out_dir(out_dir)
-        if distributed and not torch.distributed.is_initialized():
-            _init_distributed()
-        rank, world = comm.world()
-        data = ByteBatches(stdlib_corpus(), seq_len, config.train_micro_batch_size_per_gpu, args.seed)
-        summary = _train(args, model_config, config, data, rank, world)
-        if reporting:
-            _write_outputs(out_dir, summary)
-            print(_report(summary, out_dir))
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-        if distributed and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        try:
+            summary = _run(args, model_config, seq_len, raw, made)
+        finally:
+            sigint.armed = False  # first, before any call: Note [Ctrl-C]
+            made.remove()
+    except BaseException:
+        if not sigint.finish():
+            raise
+        if made.reporting:  # one line for the run, not one per rank
+            if made.bar is not None:
+                made.bar.end_line()
+            print(f"offload train: {made.interrupted()}", file=sys.stderr, flush=True)
+        return EXIT_STATUS
+    sigint.finish()
+    if made.reporting:
+        print(_report(summary, made.out))
     return 0
 
 
-def _make_out_dir(out_dir: str) -> None:
+@dataclasses.dataclass
+class _Made:
+    """What a run has made so far, removed again at its end (finished, failed or interrupted)."""
+
+    reporting: bool  # rank 0: it makes --out, writes the results, and speaks
+    out: str | None = None
+    swap_dir: str | None = None  # where the swap files go, in a directory of their own
+    out_dirs: list[str] = dataclasses.field(default_factory=list)  # --out and the parents made for it, innermost first
+    scratch: str | None = None  # the temporary swap directory
+    engine: offload.Engine | None = None  # its close() removes its swap files
+    process_group: bool = False
+    bar: Progress | None = None
+
+    def remove(self) -> None:
+        with contextlib.ExitStack() as stack:  # last in, first out; each runs even if one before it raised
+            if self.process_group:
+                stack.callback(torch.distributed.destroy_process_group)
+            stack.callback(_remove_if_empty, self.out_dirs)
+            if self.scratch is not None:
+                stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
+            if self.engine is not None:
+                stack.callback(self.engine.close)
+
+    def interrupted(self) -> str:
+        at = f"after {self.bar.done} of {self.bar.total} steps" if self.bar is not None else "before training"
+        gone = ["its swap files"] if self.swap_dir is not None else []
+        gone += [f"the empty {self.out_dirs[0]}"] if self.out_dirs and not os.path.exists(self.out_dirs[0]) else []
+        return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove")
+
+
+def _remove_if_empty(dirs: list[str]) -> None:
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty (it holds the results), or gone
+            return
+
+
+def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) -> dict:
+    made.swap_dir = _place_swap_files(args, raw, made)
+    config = offload.Config.load(raw)
+    made.out = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
+    if made.reporting:
+        made.out_dirs = _make_out_dir(made.out)  # now, not after the run
+        print(_header(args, config, made), file=sys.stderr, flush=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
+        _init_distributed()
+        made.process_group = True
+    rank, world = comm.world()
+    data = ByteBatches(stdlib_corpus(), seq_len, config.train_micro_batch_size_per_gpu, args.seed)
+    summary = _train(args, model_config, config, data, rank, world, made)
+    if made.reporting:
+        _write_outputs(made.out, summary)
+    return summary
+
+
+def _make_out_dir(out_dir: str) -> list[str]:
+    """Makes --out (and its missing parents); those it made, innermost first."""
+    made, d = [], os.path.abspath(out_dir)
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     try:
-        os.makedirs(out_dir, exist_ok=True)  # now, not after the run
+        os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
+    return [_shown(d) for d in made]
 
 
 def _init_distributed() -> None:
@@ -108,90 +184,109 @@ def _init_distributed() -> None:
         torch.distributed.init_process_group("gloo")
 
 
-def default_config(nvme_path: str) -> dict:
-    """ZeRO-Offload on one node: stage 2, the optimizer state on NVMe."""
-    return {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-        "bf16": {"enabled": torch.cuda.is_available()},
-        "zero_optimization": {"stage": 2, "sub_group_size": 1_000_000,
-                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},
-    }
-
-
-def _engine_config(args: argparse.Namespace, scratch: str | None) -> offload.Config:
-    """The config file (or the default) with --batch-size and --nvme-path applied, validated."""
-    nvme = args.nvme_path or scratch
-    if args.config is None:
-        raw = default_config(nvme)
-    else:
-        raw = read_json(args.config)
-        if not isinstance(raw, dict):  # checked here: the overrides below need a dict
-            raise UsageError(f"--config {args.config}: must hold a JSON object of config keys, not a {type(raw).__name__}")
+def _raw_config(args: argparse.Namespace) -> dict:
+    """The config file with --batch-size applied, its precision chosen, and its NVMe paths checked."""
+    path = args.config or DEFAULT_CONFIG
+    raw = read_json(path)
+    if not isinstance(raw, dict):  # checked here: the overrides below need a dict
+        raise UsageError(f"--config {path}: must hold a JSON object of config keys, not a {type(raw).__name__}")
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
         raw.pop("train_batch_size", None)  # recomputed from the micro batch
     raw.setdefault("train_micro_batch_size_per_gpu", 8)
-    zero = raw.get("zero_optimization", {})
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) if isinstance(zero, dict) else None
-        if not isinstance(section, dict) or section.get("device") != "nvme":
-            continue
-        if args.nvme_path is not None or not section.get("nvme_path"):
-            section["nvme_path"] = nvme
-        elif not os.path.isdir(section["nvme_path"]):
-            raise UsageError(f"zero_optimization.{key}.nvme_path {section['nvme_path']!r} is not a directory; "
-                            f"create it, edit the config, or pass --nvme-path DIR")
+    if "bf16" not in raw and "fp16" not in raw:  # the default config's case: bf16 where CUDA can compute in it
+        raw["bf16"] = {"enabled": torch.cuda.is_available()}
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         raise UsageError(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")
-    return offload.Config.load(raw)
+    for key, section in _nvme_sections(raw):
+        if args.nvme_path is None and section.get("nvme_path") and not os.path.isdir(section["nvme_path"]):
+            raise UsageError(f"zero_optimization.{key}.nvme_path {section['nvme_path']!r} is not a directory; "
+                            f"create it, edit the config, or pass --nvme-path DIR")
+    return raw
 
 
-def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatches, rank: int, world: int) -> dict:
+def _nvme_sections(raw: dict) -> list[tuple[str, dict]]:
+    zero = raw.get("zero_optimization", {})
+    sections = [(key, zero.get(key)) for key in ("offload_optimizer", "offload_param")] if isinstance(zero, dict) else []
+    return [(key, s) for key, s in sections if isinstance(s, dict) and s.get("device") == "nvme"]
+
+
+def _place_swap_files(args: argparse.Namespace, raw: dict, made: _Made) -> str | None:
+    """Fills in the NVMe sections' paths: --nvme-path, else the config's, else a
+    temporary directory made now; the directory the swap files go under, if any."""
+    sections = [section for _, section in _nvme_sections(raw)]
+    if args.nvme_path is not None:
+        for section in sections:
+            section["nvme_path"] = args.nvme_path
+    elif any(not section.get("nvme_path") for section in sections):
+        made.scratch = tempfile.mkdtemp(prefix="offload-train-")
+        for section in sections:
+            section["nvme_path"] = section.get("nvme_path") or made.scratch
+    return made.scratch or next((section["nvme_path"] for section in sections), None)
+
+
+def _header(args: argparse.Namespace, config: offload.Config, made: _Made) -> str:
+    """The first line: which config, where the swap files and the results go."""
+    if made.swap_dir is None:
+        swap = "no swap files (nothing on NVMe)"
+    elif made.scratch is not None:
+        ranks = "; each rank has its own" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        swap = f"swap files in {made.scratch} (temporary, removed at the end{ranks})"
+    else:
+        swap = f"swap files under {made.swap_dir} (in a directory of their own, removed at the end)"
+    z = config.zero_optimization
+    return (f"offload train: config {_shown(args.config or DEFAULT_CONFIG)} (ZeRO stage {z.stage}, optimizer on "
+            f"{z.offload_optimizer.device}, {config.compute_dtype_name} compute); {swap}; results in {made.out}")
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+
+
+def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatches, rank: int, world: int,
+           made: _Made) -> dict:
     torch.manual_seed(args.seed)
     with offload.init(config):
         model = GPT(model_config)
-    engine = offload.initialize(model, config, init_fn=model.init_module)
+    engine = made.engine = offload.initialize(model, config, init_fn=model.init_module)
     accumulation = config.gradient_accumulation_steps
     tokens_per_step = data.batch_size * data.seq_len * accumulation * world
     evals = data.eval_batches(EVAL_BATCHES)
     rows, losses = [], []
-    bar = Progress(args.steps, "train", enabled=rank == 0)
-    try:
-        eval_start = _evaluate(engine, evals)
-        for step in range(args.steps):
-            engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
-            start = time.perf_counter()
-            read0, written0 = engine.disk_traffic()
-            compute, loss_sum = 0.0, 0.0
-            for micro in range(accumulation):
-                t0 = time.perf_counter()
-                loss = engine(data.batch(step, micro, rank).to(engine.device))
-                engine.backward(loss)
-                compute += time.perf_counter() - t0
-                loss_sum += loss.item()
-            engine.step()
-            wall = time.perf_counter() - start
-            detail = engine.times.optimizer_detail
-            read1, written1 = engine.disk_traffic()
-            mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
-            mean_loss = comm.all_reduce(mean).item() / world
-            row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
-                   "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
-                   "bytes_read": read1 - read0, "bytes_written": written1 - written0}
-            row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
-            rows.append(row)
-            losses.append(mean_loss)
-            if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
-                tiers = engine.memory_report().by_tier()
-            bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
-                        f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
-                        + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
-        eval_end = _evaluate(engine, evals)
-        report = engine.memory_report()
-    finally:
-        engine.close()
+    bar = made.bar = Progress(args.steps, "train", enabled=rank == 0)
+    eval_start = _evaluate(engine, evals)
+    for step in range(args.steps):
+        engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
+        start = time.perf_counter()
+        read0, written0 = engine.disk_traffic()
+        compute, loss_sum = 0.0, 0.0
+        for micro in range(accumulation):
+            t0 = time.perf_counter()
+            loss = engine(data.batch(step, micro, rank).to(engine.device))
+            engine.backward(loss)
+            compute += time.perf_counter() - t0
+            loss_sum += loss.item()
+        engine.step()
+        wall = time.perf_counter() - start
+        detail = engine.times.optimizer_detail
+        read1, written1 = engine.disk_traffic()
+        mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
+        mean_loss = comm.all_reduce(mean).item() / world
+        row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
+               "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
+               "bytes_read": read1 - read0, "bytes_written": written1 - written0}
+        row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
+        rows.append(row)
+        losses.append(mean_loss)
+        if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
+            tiers = engine.memory_report().by_tier()
+        bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
+                    f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
+                    + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
+    eval_end = _evaluate(engine, evals)
+    report = engine.memory_report()
     measured = rows[1:] or rows  # the first step also pays one-time costs
     return {
         "model": args.model, "model_config": dataclasses.asdict(model_config), "params": model_config.params(),

@@ -1,9 +1,10 @@
 """A GPT-style decoder (byte-level: vocabulary 256), for ``offload train`` and ``offload bench``.
 
 Pre-norm blocks of causal self-attention and a 4x MLP, learned positions, the
-output head tied to the token embedding. Sizes by name (``SIZES``) or by a
-GPTConfig. Under ``offload.init`` it is built on the meta device; pass
-``init_fn=model.init_module`` to ``offload.initialize``.
+output head tied to the token embedding. Sizes by name (``SIZES``, looked up
+in any case with ``size_name``) or by a GPTConfig. Under ``offload.init`` it
+is built on the meta device; pass ``init_fn=model.init_module`` to
+``offload.initialize``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ SIZES = {
     "25M": GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=128),
     "85M": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256),
 }
+
+
+def size_name(name: str) -> str | None:
+    """The bundled size ``name`` spells, in any case (``5m`` is ``5M``, as ``--params 5m`` is 5M), or None."""
+    return next((key for key in SIZES if key.casefold() == name.casefold()), None)
 
 
 class Block(nn.Module):

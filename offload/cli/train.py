@@ -5,10 +5,10 @@ to write Python from the standard library's own sources (nothing is
 downloaded), with the config ``configs/train_default.json``: ZeRO stage 2 and
 the optimizer state on NVMe, in a temporary directory that is removed
 afterwards. ``--config`` takes any engine config (``configs/`` has ready
-ones); the options below override its batch size and NVMe paths. A config
-that sets neither ``bf16`` nor ``fp16`` (as the default one) computes in
-bf16 where CUDA is available, else in fp32. The first line of output names
-the config, the swap directory and the output directory.
+ones); the options below override its batch size and NVMe paths. The default
+config sets no precision: the run computes in bf16 where CUDA is available,
+else in fp32; a config given with --config is taken as it is. The first line
+of output names the config, the swap directory and the output directory.
 
 The learning rate warms up linearly over the first tenth of the steps, then
 decays along a cosine to a tenth of the config's ``optimizer.params.lr``.
@@ -194,7 +194,7 @@ def _raw_config(args: argparse.Namespace) -> dict:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
         raw.pop("train_batch_size", None)  # recomputed from the micro batch
     raw.setdefault("train_micro_batch_size_per_gpu", 8)
-    if "bf16" not in raw and "fp16" not in raw:  # the default config's case: bf16 where CUDA can compute in it
+    if args.config is None:  # the default config: bf16 where CUDA can compute in it
         raw["bf16"] = {"enabled": torch.cuda.is_available()}
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         raise UsageError(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")

@@ -82,12 +82,13 @@ def train_reference(model: nn.Module, steps: int, world: int, accumulation: int,
     p = cfg["optimizer"]["params"]
     opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                             weight_decay=p["weight_decay"], foreach=False)
+    ref.grad_norms = []  # before clipping, as the engine's last_grad_norm
     for step in range(steps):
         opt.zero_grad()
         for rank in range(world):
             for micro in range(accumulation):
                 (ref(batch(step, micro, rank)) / (world * accumulation)).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+        ref.grad_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"]).item())
         opt.step()
     return ref
 

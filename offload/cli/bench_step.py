@@ -10,10 +10,11 @@ the new weights). Two efficiencies:
   pipeline  = (nvme only) the time the disk needs for the optimizer's own
               reads and writes of one step, at the bandwidth measured in the
               same run with the same aio settings, over the time that I/O
-              took: from the first read, issued as the last backward starts,
-              to the last write-back's completion (measured in extra steps
-              that wait for it). It cannot exceed 1 but by measurement noise;
-              1.0 means the disk never idled while the step's I/O was due.
+              took: from the optimizer's first read to its last write-back's
+              completion (measured in extra steps that start no read during
+              backward and wait for the last write-back). It cannot exceed 1
+              but by measurement noise; 1.0 means the disk never idled while
+              the step's I/O was due.
 With --dpu the plain and delayed-update engines run one after the other and
 the share of the plain optimizer time the delay hides is reported, unclamped:
 below 0, waiting for the delayed step cost more than the plain step did.
@@ -156,12 +157,15 @@ def measure(args: argparse.Namespace, nvme: str, delayed: bool) -> dict:
             if i >= 2:
                 rows.append(row)
             bar.advance(f"{row['wall']:.2f}s/step")
-        for _ in range(window_steps):  # the optimizer's own I/O: from its first read to its last write-back
+        # The optimizer's own I/O, from its first read to its last write-back: in
+        # these steps its first reads are not started during backward, so every
+        # byte moves inside the window timed here.
+        engine.optimizer.prefetch = lambda: None
+        for _ in range(window_steps):
             engine.synchronize()
+            engine.backward(engine(tokens))
             before = engine.optimizer.traffic()
-            loss = engine(tokens)
             start = time.perf_counter()
-            engine.backward(loss)  # issues the optimizer's first reads
             engine.step()
             engine.synchronize()  # waits for the last write-backs
             after = engine.optimizer.traffic()

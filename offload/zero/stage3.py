@@ -160,6 +160,15 @@ class PartitionedWeights:
         self._model = model
         self._hooks = []
         self._publish_on, self._publish_tier = publish_on, publish_tier
+        # Note [pass hooks]
+        # The gradient hooks registered by forward passes, removed when a backward
+        # ends. An ``all`` multi-grad hook's closure holds its tensors' grad_fns,
+        # which hold the hook: a cycle through C++ that the garbage collector
+        # cannot see, so without removal every pass leaked its graph's nodes, and
+        # those small blocks, left inside freed multi-megabyte ones, kept glibc
+        # from reusing them: RSS grew every step. Not removed when the next
+        # forward starts: one backward may run through several passes' graphs.
+        self._pass_hooks = []
         self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
         self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}  # parameters split across sub-groups
 
@@ -254,14 +263,14 @@ class PartitionedWeights:
             self._gather(m)
         inputs = _grad_tensors((args, kwargs)) if torch.is_grad_enabled() else []
         if inputs:  # fires once the gradient has flowed through the module to all its inputs
-            torch.autograd.graph.register_multi_grad_hook(
-                inputs, lambda grads: self.release_after_backward(module), mode="all")
+            self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self.release_after_backward(module), mode="all"))
 
     def _post_forward(self, module, args, output):
         outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
         if outputs:  # fires when the first output gradient arrives, before the module's backward
-            torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grad: self.gather_for_backward(module), mode="any")
+            self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grad: self.gather_for_backward(module), mode="any"))
         for m in self._direct(module):
             m.forward_refs -= 1
             self._release(m)
@@ -282,10 +291,18 @@ class PartitionedWeights:
         self._release(m)
 
     def end_backward(self) -> None:
-        """Forward and backward are over: drop every reference left. Backward ones
-        belong to parameters that got no gradient; forward ones to a module whose
-        forward never finished (an exception, or activation checkpointing
-        stopping its recomputation early, inside the module)."""
+        """A backward is over: remove the gradient hooks of the passes it ran
+        through (Note [pass hooks]) and drop every reference left."""
+        for handle in self._pass_hooks:
+            handle.remove()
+        self._pass_hooks.clear()
+        self._drop_references()
+
+    def _drop_references(self) -> None:
+        """Backward references left belong to parameters that got no gradient;
+        forward ones to a module whose forward never finished (an exception, or
+        activation checkpointing stopping its recomputation early, inside the
+        module)."""
         for m in self._managed.values():
             m.forward_refs = m.backward_refs = 0
             self._release(m)
@@ -294,7 +311,7 @@ class PartitionedWeights:
 
     def begin_pass(self) -> None:
         """A forward (and its backward) starts: compare it with the recorded order."""
-        self.end_backward()  # a forward without backward (evaluation) leaves nothing behind either
+        self._drop_references()  # a forward without backward (evaluation) leaves no gathered weights behind
         self._drop_read_ahead()
         if self._record and (not self._on_trace or self._training not in self._trace):
             self._trace[self._training] = self._record

@@ -1,0 +1,58 @@
+"""Run by test_host_memory.py in a fresh process: trains a small GPT at stage 3
+with weights and optimizer state on NVMe and prints, after every step, the
+process's RSS and its live heap bytes (glibc's mallinfo2: in use, arena and
+mmapped; -1 without glibc), as JSON."""
+
+import ctypes
+import json
+import os
+import sys
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import offload  # noqa: E402
+from offload.models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def live_heap_bytes() -> int:
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return -1
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+nvme, steps = sys.argv[1], int(sys.argv[2])
+BATCH, SEQ, VOCAB = 4, 128, 8192
+torch.set_num_threads(1)
+torch.manual_seed(0)
+# A wide vocabulary: the embedding, its gradient and the logits are the
+# multi-megabyte tensors whose churn fragments glibc's heap.
+model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=SEQ, vocab_size=VOCAB))
+config = {
+    "train_micro_batch_size_per_gpu": BATCH,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                          "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}},
+}
+process = psutil.Process()
+rss, heap = [], []
+generator = torch.Generator().manual_seed(1)
+with offload.initialize(model, config) as engine:
+    for _ in range(steps):
+        engine.backward(engine(torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)))
+        engine.step()
+        rss.append(process.memory_info().rss)
+        heap.append(live_heap_bytes())
+print(json.dumps({"rss": rss, "heap": heap}))

@@ -65,10 +65,7 @@ class Engine:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise UsageError("the model has no trainable parameters; offload trains at least one")
-        if named[0][1].is_meta:  # built under offload.init: run where the accelerator is
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        else:
-            self.device = named[0][1].device
+        self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
         self.dtype = DTYPES[config.compute_dtype_name]
         self._original_dtypes = {key: v.dtype for key, v in model.state_dict(keep_vars=True).items()}
@@ -100,7 +97,8 @@ class Engine:
                                             self.layout.owned_values(bucket))
             self.optimizer.finish_master()
             model.to(self.device, self.dtype)
-            self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier)
+            direct = self.device.type == "cpu" and not offload.delayed_update  # the flat buffer is host memory
+            self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, direct)
         self.reducer.install()
         self.scaler = LossScaler(config.fp16)
         if offload.delayed_update:

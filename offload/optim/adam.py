@@ -72,7 +72,7 @@ def adam_step(
     require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
              f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     if not _native.status().available:
-        _warn_fallback_once()
+        warn_fallback_once()
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out)
         return
     _native.check(
@@ -114,7 +114,7 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
 _warned = False
 
 
-def _warn_fallback_once() -> None:
+def warn_fallback_once() -> None:
     global _warned
     if not _warned:
         _warned = True

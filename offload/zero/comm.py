@@ -7,6 +7,8 @@ implement the tensor forms used here.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,22 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def accelerator(first_param: torch.Tensor) -> torch.device:
+    """The device the engine computes on. A model built on the meta device
+    (``offload.init``), or any model in an NCCL group, runs on the CUDA device
+    of this process's ``LOCAL_RANK`` (torchrun sets it), which also becomes the
+    current device, so NCCL and ``all_gather_object`` use it; otherwise the
+    model's own device."""
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    if (first_param.is_meta or nccl) and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    if first_param.is_meta:
+        return torch.device("cpu")
+    return first_param.device
 
 
 def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor) -> None:

@@ -17,11 +17,13 @@ so the sum is kept in fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
+from offload.optim.grad_stats import sum_squares
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import AioSettings, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
@@ -64,14 +66,18 @@ class OwnedGradient(Protocol):
 
 class InMemoryGradient:
     """One buffer of the owned shard's size. It is allocated at the first part
-    added, not at construction: building a large model should not cost it."""
+    added, not at construction: building a large model should not cost it.
+    It is never zeroed in a pass of its own: a range's first part in a window
+    is copied in, later ones added, and only the ranges no part reached are
+    zeroed, when the window is read."""
 
     def __init__(self, groups: SubGroups, numel: int, dtype: torch.dtype, device: torch.device, pin: bool,
                  tier: str) -> None:
-        self.groups, self.numel, self.dtype, self.device, self.pin = groups, numel, dtype, device, pin
+        self.groups, self.numel, self.dtype, self.device, self.pin = groups, numel, dtype, torch.device(device), pin
         self.tier = tier  # for the memory report: "device" or "host"
         self._tensor: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None
+        self._touched: dict[int, int] = {}  # lo -> hi of each range holding this window's parts
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -80,22 +86,42 @@ class InMemoryGradient:
         return self._tensor
 
     def _allocate(self) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        self.tensor[lo:hi].add_(values if values.device == self.device else values.to(self.device))
+        values = values if values.device == self.device else values.to(self.device)
+        if lo in self._touched:
+            self.tensor[lo:hi].add_(values)
+        else:
+            self.tensor[lo:hi].copy_(values)
+            self._touched[lo] = hi
 
     def end_of_backward(self) -> None:
         pass
 
+    def _settle(self) -> None:
+        """Zero the ranges no part reached in this window, so reads see zeros there."""
+        at = 0
+        for lo, hi in sorted(self._touched.items()) + [(self.numel, self.numel)]:
+            if at < lo:
+                self.tensor[at:lo].zero_()
+                self._touched[at] = lo
+            at = max(at, hi)
+
     def stats(self) -> tuple[float, bool]:
-        t = self.tensor
-        return t.double().square().sum().item(), bool(torch.isfinite(t).all())
+        """Note [gradient statistics], sub-group by sub-group, added in order."""
+        self._settle()
+        total = 0.0
+        for lo, hi in self.groups:
+            total += sum_squares(self.tensor[lo:hi]) if self.device.type == "cpu" else \
+                self.tensor[lo:hi].double().square().sum().item()
+        return total, math.isfinite(total)
 
     def prefetch(self, groups: Iterable[int]) -> None:
         pass
 
     def read(self, i: int) -> torch.Tensor:
+        self._settle()
         lo, hi = self.groups[i]
         return self.tensor[lo:hi]
 
@@ -103,17 +129,17 @@ class InMemoryGradient:
         pass
 
     def zero(self) -> None:
-        if self._tensor is not None:
-            self._tensor.zero_()
+        """Nothing is written now: the next window's parts are copied in."""
+        self._touched.clear()
 
     def take_window(self) -> InMemoryGradient:
         """The delayed update's double buffer: the window just completed, as a
         gradient of its own for the worker to read, while parts go on being
         added into the other buffer (zeroed now; allocated the first time)."""
         window = InMemoryGradient(self.groups, self.numel, self.dtype, self.device, self.pin, self.tier)
-        window._tensor = self.tensor
+        window._tensor, window._touched = self.tensor, self._touched
         self._tensor = self._spare if self._spare is not None else self._allocate()
-        self._tensor.zero_()
+        self._touched = {}
         self._spare = window._tensor
         return window
 
@@ -182,15 +208,15 @@ class OnDiskGradient:
             self._open = None
 
     def stats(self) -> tuple[float, bool]:
-        """One read pass over the sub-groups this window touched."""
+        """Note [gradient statistics], sub-group by sub-group in order (one read pass
+        over those this window touched), as ``InMemoryGradient`` adds them."""
         self.end_of_backward()
-        total, finite = 0.0, True
-        for i in sorted(self._touched):
+        total = 0.0
+        for i in sorted(self._touched):  # an untouched sub-group adds exactly 0.0
             (g,) = self.store.get([self._key(i)])
-            total += g.double().square().sum().item()
-            finite = finite and bool(torch.isfinite(g).all())
+            total += sum_squares(g)
             self.store.release([self._key(i)], dirty=False)
-        return total, finite
+        return total, math.isfinite(total)
 
     def prefetch(self, groups: Iterable[int]) -> None:
         self.store.prefetch(self._key(i) for i in groups if i in self._touched)

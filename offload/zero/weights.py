@@ -2,11 +2,13 @@
 
 One interface, ``Weights``, for both kinds:
   - ``ReplicatedWeights`` (stages 1 and 2, here): every rank holds all
-    weights in one flat buffer (Note [flat layout]). The optimizer writes each
-    sub-group's new owned weights into a staging copy of the owned shard;
-    ``end_publish`` copies them into this rank's parts and all-gathers each
-    bucket. The staging copy lets a delayed update fill it while the model
-    still runs with the previous weights.
+    weights in one flat buffer (Note [flat layout]). When the flat buffer is
+    in host memory (the accelerator is the CPU) and nothing runs during the
+    step, the optimizer writes each sub-group's new owned weights straight
+    into this rank's parts, so publishing costs no copy; otherwise into a
+    staging copy of the owned shard that ``end_publish`` copies into the
+    parts. Then each bucket is all-gathered. The staging copy lets a delayed
+    update fill it while the model still runs with the previous weights.
   - ``PartitionedWeights`` (stage 3, ``zero/stage3.py``) keeps only this
     rank's part of each parameter, in its tier, and gathers a module's
     weights just before the module runs.
@@ -57,16 +59,18 @@ class Weights(Protocol):
 
 class ReplicatedWeights:
     def __init__(self, layout: FlatLayout, device: torch.device, dtype: torch.dtype, staging_on: dict,
-                 staging_tier: str) -> None:
+                 staging_tier: str, direct: bool) -> None:
         """``staging_on``: where the optimizer writes new weights (device,
-        pin_memory), the ``staging_tier`` of the memory report."""
-        self.layout, self.dtype, self.staging_tier = layout, dtype, staging_tier
+        pin_memory), the ``staging_tier`` of the memory report; ``direct``: it
+        may write into the flat buffer itself (host memory, nothing running)."""
+        self.layout, self.dtype, self.staging_tier, self.direct = layout, dtype, staging_tier, direct
         self.flat = torch.zeros(layout.total, dtype=dtype, device=device)
         for slot in layout.slots:
             view = self.flat[slot.offset : slot.offset + slot.numel]
             view.copy_(slot.param.detach().reshape(-1))
             slot.param.data = view.view(slot.shape)
         self.staging = torch.empty(layout.owned, dtype=dtype, **staging_on)
+        self._staged: list[tuple[int, int]] = []  # direct: ranges written to staging, not yet copied in
 
     def begin_pass(self) -> None:
         pass
@@ -78,19 +82,35 @@ class ReplicatedWeights:
         pass
 
     def target(self, lo: int, hi: int) -> torch.Tensor:
+        if self.direct:
+            pieces = list(self.layout.buckets_meeting(lo, hi))
+            if len(pieces) == 1:  # within one bucket's part: its place in the flat buffer
+                bucket = pieces[0][0]
+                begin = bucket.part_range(self.layout.rank).start + lo - bucket.owned_offset
+                return self.flat[begin : begin + hi - lo]
+            self._staged.append((lo, hi))
         return self.staging[lo:hi]
 
     def accept(self, lo: int, hi: int) -> None:
-        pass  # the parts are copied in at end_publish: a delayed update fills staging while the model runs
+        """Direct: a range written to staging (it spans buckets) is copied in now.
+        Otherwise every part is copied in at end_publish: a delayed update fills
+        staging while the model runs."""
+        if (lo, hi) in self._staged:
+            self._staged.remove((lo, hi))
+            self._copy_in(lo, hi)
+
+    def _copy_in(self, lo: int, hi: int) -> None:
+        for bucket, a, b in self.layout.buckets_meeting(lo, hi):
+            begin = bucket.part_range(self.layout.rank).start + a - bucket.owned_offset
+            self.flat[begin : begin + b - a].copy_(self.staging[a:b])  # blocking: a delayed update writes staging next
 
     def end_publish(self) -> None:
-        """This rank's new parts from staging, then every bucket all-gathered."""
-        rank = self.layout.rank
-        for bucket in self.layout.buckets:
-            mine = self.flat[bucket.part_range(rank)]
-            mine.copy_(self.staging[bucket.owned_range()])  # blocking: a delayed update writes staging next
-            if self.layout.world > 1:
-                comm.all_gather(self.flat[bucket.flat_range()], mine.clone())
+        """This rank's new parts from staging (unless written in place), then every bucket all-gathered."""
+        if not self.direct:
+            self._copy_in(0, self.layout.owned)
+        if self.layout.world > 1:
+            for bucket in self.layout.buckets:
+                comm.all_gather(self.flat[bucket.flat_range()], self.flat[bucket.part_range(self.layout.rank)].clone())
 
     def memory(self, report: MemoryReport) -> None:
         n = self.flat.numel() * self.flat.element_size()

@@ -2,12 +2,15 @@
 200 steps, bitwise equal across kernels, thread counts and the fallback, exact
 low-precision copy-out, and clear errors for bad input."""
 
+import math
+
 import pytest
 import torch
 
 from offload import _native
 from offload.optim import AdamHyper, adam_step
 from offload.optim import adam as adam_module
+from offload.optim import grad_stats
 from offload.optim.adam_fallback import adam_step_torch
 
 SIZES = [1, 7, 31, 1000003]  # none a multiple of the SIMD width but 1
@@ -300,3 +303,24 @@ def test_a_bad_thread_count_is_named(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "many")
     with pytest.raises(ValueError, match="OMP_NUM_THREADS='many' is not a thread count"):
         adam_module.default_threads()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 17, 65_536, 65_537, 300_001])
+def test_the_gradient_sum_of_squares_is_one_order_everywhere(dtype, n):
+    """Note [gradient statistics]: the native pass, at any thread count, and the
+    PyTorch fallback add in one fixed order, so they agree bit for bit; on a
+    range of magnitudes wide enough that another order would show."""
+    torch.manual_seed(n)
+    grad = (torch.randn(n) * torch.exp(torch.randn(n) * 4)).clamp(-6e4, 6e4).to(dtype)
+    expected = grad_stats.sum_squares_torch(grad)
+    assert grad_stats.sum_squares(grad, threads=1) == expected == grad_stats.sum_squares(grad, threads=2)
+    assert expected == pytest.approx(grad.double().square().sum().item(), rel=1e-12)
+
+
+def test_a_non_finite_gradient_makes_the_sum_non_finite():
+    grad = torch.randn(200_000)
+    grad[123_456] = float("inf")
+    assert grad_stats.sum_squares(grad) == float("inf")
+    grad[7] = float("nan")
+    assert math.isnan(grad_stats.sum_squares(grad))

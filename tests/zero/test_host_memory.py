@@ -28,9 +28,11 @@ def test_host_memory_stays_flat_over_200_steps(tmp_path):
     rss, heap = result["rss"], result["heap"]
     assert len(rss) == len(heap) == STEPS
     # Peaks, not single samples: freed memory that glibc keeps moves RSS up and
-    # down by a few percent from step to step, without a trend.
-    peaks = [max(rss[i : i + WINDOW]) for i in range(0, STEPS, WINDOW)]
-    assert peaks[-1] < 1.05 * peaks[WARMUP // WINDOW], f"peak RSS per {WINDOW} steps (MiB): {[p >> 20 for p in peaks]}"
+    # down by 5-10% from window to window, without a trend (433-481 MiB over
+    # 400 steps here), so the later half's highest peak is held to the earlier's.
+    peaks = [max(rss[i : i + WINDOW]) for i in range(WARMUP, STEPS, WINDOW)]
+    half = len(peaks) // 2
+    assert max(peaks[half:]) < 1.05 * max(peaks[:half]), f"peak RSS per {WINDOW} steps (MiB): {[p >> 20 for p in peaks]}"
     if heap[0] >= 0:  # glibc
         grown = heap[-1] - heap[WARMUP]
         assert grown < 2 << 20, f"live heap grew by {grown / 2**20:.1f} MiB over {STEPS - WARMUP} steps"

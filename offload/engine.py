@@ -68,7 +68,7 @@ class Engine:
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
         self.dtype = DTYPES[config.compute_dtype_name]
-        self._original_dtypes = {key: v.dtype for key, v in model.state_dict(keep_vars=True).items()}
+        self._original_dtypes = {name: v.dtype for name, v in _parameters_and_buffers(model)}
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout.of_model(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)
         offloaded = offload.device != "none"
@@ -238,8 +238,10 @@ class Engine:
 
     def _assemble(self) -> Iterator[tuple[Slot, torch.Tensor]]:
         """Each parameter's fp32 master weights, assembled: every rank
-        broadcasts its pieces (a collective: iterate on every rank)."""
-        self.synchronize()
+        broadcasts its pieces (a collective: iterate on every rank). A delayed
+        update in flight is waited for, not published (Note [delayed parameter update])."""
+        self.update.wait(self.times)
+        self.optimizer.flush()
         mine = self.optimizer.read_master_ranges(owned_ranges(self.layout, self.rank))
         return assemble(self.layout, {self.rank: mine}, comm.broadcast, self._comm_device)
 
@@ -319,7 +321,7 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and
         peak. Waits for a delayed update in flight (its worker uses the store)."""
-        self.update.finish(self.times)
+        self.update.wait(self.times)
         report = MemoryReport()
         for part in (self.weights, self.reducer, self.gradient, self.optimizer):
             part.memory(report)
@@ -353,18 +355,29 @@ class Engine:
                     self.optimizer.close()
 
     def _restore_model(self) -> None:
-        keys_of = self.state_entries().keys_of
+        """Trained parameters from the fp32 master weights; the rest (frozen
+        parameters, buffers, persistent or not) cast back from the compute
+        dtype they ran in, so narrower-than-original values stay rounded."""
+        trainable = {p: name for name, p in _parameters_and_buffers(self.module) if p in self.reducer.slot_of}
         with torch.no_grad():
             for slot, full in self._assemble():
-                slot.param.data = full.to(self.device, self._original_dtypes[keys_of[slot.param][0]])
-            for key, value in self.state_entries().others:
-                value.data = value.data.to(self._original_dtypes[key])
+                slot.param.data = full.to(self.device, self._original_dtypes[trainable[slot.param]])
+            for name, value in _parameters_and_buffers(self.module):
+                if value not in self.reducer.slot_of:
+                    value.data = value.data.to(self._original_dtypes[name])
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(restore_model=exc_type is None)
+
+
+def _parameters_and_buffers(module: torch.nn.Module):
+    """(name, tensor) of every parameter and buffer, non-persistent buffers and
+    every name of a shared tensor included."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
 
 
 def _loss_of(output) -> torch.Tensor:

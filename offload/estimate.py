@@ -56,6 +56,8 @@ from dataclasses import asdict, dataclass, field
 from offload.config import Config
 from offload.models.gpt import GPTConfig
 from offload.store import pool_bytes
+from offload.zero.layout import ALIGN
+from offload.zero.stage3 import parts_in_cpu
 
 TIERS = ("device", "host", "nvme")
 
@@ -66,6 +68,16 @@ class ModelShape:
     largest: int  # elements of the largest parameter (sizes stage 3's per-parameter buffers)
     source: str  # how the shape was obtained, for the report
     sizes: tuple[int, ...] = ()  # every parameter's elements, where known
+
+    def elements_in_cpu(self, max_in_cpu: int, gpus: int) -> int:
+        """Per rank, the weight elements stage 3 keeps in host memory with weights
+        on nvme: the engine's prefix rule (``stage3.parts_in_cpu``) over each
+        parameter's padded part, where the sizes are known."""
+        if not self.sizes:
+            return min(math.ceil(self.params / gpus), max_in_cpu)
+        unit = gpus * ALIGN
+        parts = [-(-n // unit) * unit // gpus for n in self.sizes]
+        return sum(parts[: parts_in_cpu(parts, max_in_cpu)])
 
     def persistent(self, threshold: int) -> int:
         """Elements of the parameters stage 3 keeps gathered (at most ``threshold`` elements each)."""
@@ -157,7 +169,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         tiers[beside_optimizer]["staging"] = d * n
     else:
         if setup.weights == "nvme":
-            in_cpu = min(n, zero.offload_param.max_in_cpu)
+            in_cpu = shape.elements_in_cpu(zero.offload_param.max_in_cpu, gpus)
             weights_on_disk = n - in_cpu
             if in_cpu:
                 tiers["host"]["weights (partition)"] = d * in_cpu

@@ -19,8 +19,9 @@ class DiskTraffic(NamedTuple):
 
     @staticmethod
     def of(store) -> DiskTraffic:
-        io = store.stats()["io"]
-        return DiskTraffic(io["bytes_read"], io["bytes_written"])
+        """The store's byte counters alone: safe to read while a delayed update's
+        worker drives the store (its other statistics walk the pool's sets)."""
+        return DiskTraffic(store.traffic.bytes_read, store.traffic.bytes_written)
 
     def __add__(self, other: DiskTraffic) -> DiskTraffic:  # type: ignore[override]
         return DiskTraffic(self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written)

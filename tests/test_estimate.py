@@ -169,3 +169,23 @@ def test_bad_arguments_exit_2_with_one_line(argv, message):
                           cwd=tempfile.gettempdir())
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("share", [0.75, 0.5, 0.25])
+def test_the_estimate_splits_weights_by_max_in_cpu_as_the_engine_does(tmp_path, share):
+    """A prefix of whole parameter parts stays in host memory, in both: the
+    estimate's host bytes and disk reads follow the engine's split."""
+    c = SIZES["small"]
+    shape = ModelShape.from_gpt(c)
+    max_in_cpu = int(share * shape.params)
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+           "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": max_in_cpu}}}
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="keeps .* weight elements in host memory"):
+        engine = offload.initialize(GPT(c), cfg)
+    tiers = engine.weights.tiers()
+    kept = sum(b.part for b in engine.layout.buckets if tiers[b.slots[0].name] == "cpu")
+    engine.close(restore_model=False)
+    e = estimate(shape, Setup(3, "cpu", "nvme"), offload.Config.load(cfg), 1)
+    assert shape.elements_in_cpu(max_in_cpu, 1) == kept
+    assert e.per_rank["host"]["weights (partition)"] == 2 * kept

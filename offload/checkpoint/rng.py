@@ -1,7 +1,9 @@
 """Every random number generator a training step may draw from, captured as
 JSON and restored, so a resumed run draws what the uninterrupted one would
-have (dropout, data order): torch's CPU generator, each CUDA device's where
-CUDA is present, Python's ``random`` and numpy's global generator."""
+have (dropout, data order): torch's CPU generator, this rank's CUDA device's
+where CUDA is present (a rank draws on its own device only, so the resuming
+node may see another number of GPUs), Python's ``random`` and numpy's global
+generator."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def capture() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": _bytes(torch.get_rng_state()),
-        "cuda": [_bytes(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "cuda": [_bytes(torch.cuda.get_rng_state())] if torch.cuda.is_available() else [],
         "python": [version, list(state), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
     }
@@ -35,14 +37,11 @@ def capture() -> dict:
 
 def restore(saved: dict, where: str) -> None:
     """``where`` names the manifest, for the error if ``saved`` is not a capture."""
-    cuda = saved.get("cuda", [])
-    if cuda and torch.cuda.is_available() and len(cuda) != torch.cuda.device_count():
-        raise CheckpointError(f"{where}: saved the RNG states of {len(cuda)} CUDA devices, this process sees "
-                              f"{torch.cuda.device_count()}; make the same devices visible to resume exactly")
     try:
         torch.set_rng_state(_tensor(saved["torch"]))
+        cuda = saved["cuda"]
         if cuda and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([_tensor(s) for s in cuda])
+            torch.cuda.set_rng_state(_tensor(cuda[0]))
         version, state, gauss = saved["python"]
         random.setstate((version, tuple(state), gauss))
         kind, keys, pos, has_gauss, cached = saved["numpy"]

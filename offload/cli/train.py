@@ -128,7 +128,9 @@ class _Made:
             if self.scratch is not None:
                 stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
             if self.engine is not None:
-                stack.callback(self.engine.close)
+                # No rank-wide gathering of the model back: nothing uses it after
+                # the run, and after a failure or Ctrl-C other ranks may be gone.
+                stack.callback(self.engine.close, restore_model=False)
 
     def interrupted(self) -> str:
         at = f"after {self.bar.done} of {self.bar.total} steps" if self.bar is not None else "before training"

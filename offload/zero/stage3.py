@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 from offload.config import Config
 from offload.errors import ConfigError
 from offload.report import DiskTraffic, MemoryReport
-from offload.store import Tier, TieredStore, pool_bytes
+from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
 
@@ -105,6 +105,29 @@ def _say_where_weights_live() -> None:
                       UserWarning, stacklevel=5)
 
 
+def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
+    """How many of the first parts (registration order) stay in host memory with
+    weights on nvme: the longest prefix adding up to at most ``max_in_cpu``
+    elements (Note [stage 3 limits]). ``offload estimate`` counts by this too."""
+    count = total = 0
+    for part in parts:
+        if total + part > max_in_cpu:
+            break
+        total, count = total + part, count + 1
+    return count
+
+
+def _say_what_stays_in_cpu(layout: FlatLayout, in_cpu: int, max_in_cpu: int) -> None:
+    kept = sum(b.part for b in layout.buckets[:in_cpu])
+    total = sum(b.part for b in layout.buckets)
+    rest = ("so nothing is read from disk, and stage3_prefetch_bucket_size, stage3_max_live_parameters "
+            "and offload_param.buffer_count have no effect" if in_cpu == len(layout.buckets)
+            else f"{total - kept:,} in swap files")
+    warnings.warn(f"offload stage 3: offload_param.max_in_cpu={max_in_cpu:,} keeps {kept:,} of this rank's {total:,} "
+                  f"weight elements in host memory, as DeepSpeed does, {rest}; set max_in_cpu to 0 to put every "
+                  f"part on NVMe", UserWarning, stacklevel=5)
+
+
 class PartitionedWeights:
     def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
                  dtype: torch.dtype, publish_on: dict, publish_tier: str) -> None:
@@ -117,8 +140,8 @@ class PartitionedWeights:
         self.prefetch_elements = zero.stage3_prefetch_bucket_size
         self.max_live = zero.stage3_max_live_parameters
         # Read-ahead may hold all pool buffers but two: one for the parameter gathered
-        # now, one for a write-back in flight.
-        self.read_ahead_buffers = max(1, param_cfg.buffer_count - 2)
+        # now, one for a write-back in flight (so with two or fewer, none).
+        self.read_ahead_buffers = max(0, param_cfg.buffer_count - 2)
         self.live_elements = self.peak_live_elements = 0
         self.ahead_elements = self.peak_ahead_elements = 0
         self.peak_held_elements = 0  # gathered plus read ahead (Note [stage 3 limits])
@@ -140,16 +163,14 @@ class PartitionedWeights:
                 pool_setting_name="zero_optimization.offload_param.buffer_count (or buffer_size)",
             )
         self._managed: dict[torch.nn.Parameter, _Managed] = {}
-        in_cpu = 0
+        in_cpu = parts_in_cpu([b.part for b in layout.buckets], param_cfg.max_in_cpu) if self.tier == "nvme" else 0
         for bucket in layout.buckets:
             (slot,) = bucket.slots
-            tier = self.tier
-            if tier == "nvme" and in_cpu + bucket.part <= param_cfg.max_in_cpu:
-                tier, in_cpu = "cpu", in_cpu + bucket.part  # Note [stage 3 limits]: max_in_cpu
-            elif tier == "nvme":
-                in_cpu = param_cfg.max_in_cpu + 1  # a prefix: the rest goes to disk
+            tier = "cpu" if bucket.index < in_cpu else self.tier
             self._managed[slot.param] = _Managed(slot, bucket, f"param{bucket.index:06d}", tier,
                                                  slot.numel <= zero.stage3_param_persistence_threshold)
+        if self.tier == "nvme" and in_cpu:
+            _say_what_stays_in_cpu(layout, in_cpu, param_cfg.max_in_cpu)
         self._trace: dict[bool, list[_Managed]] = {}
         self._record: list[_Managed] = []
         self._cursor = 0
@@ -370,7 +391,8 @@ class PartitionedWeights:
         """Give back the buffers of read-ahead that will not be used."""
         if not self._read_ahead:
             return
-        keys = sorted(self._read_ahead)
+        # A prefetch that found the pool full never started: nothing to give back.
+        keys = sorted(k for k in self._read_ahead if self.store.state(k) is not State.ON_DISK)
         self._read_ahead.clear()
         self.ahead_elements = 0
         self.store.get(keys)

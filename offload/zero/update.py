@@ -14,8 +14,12 @@ double-buffered (``InMemoryGradient.take_window``): the worker reads the
 window just completed while backward adds into the other buffer.
 
 Threads: only the worker touches the optimizer (and its store) while a step
-is in flight; the main thread waits for it (``finish``) before any other use:
-the next step, a checkpoint, a state dict, a memory report.
+is in flight; the main thread waits for it (``wait``) before any other use:
+a state dict, an export, a memory report. Waiting does not publish: the model
+keeps the weights the delayed schedule gives it, so looking at the engine never
+changes the training. Publishing (``finish``) happens at the next boundary,
+and when the caller asks for the newest weights in the model (``synchronize``,
+which a checkpoint save calls).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class ImmediateUpdate:
 
     in_flight = False  # nothing ever is
 
+    def wait(self, times: PhaseTimes) -> None:
+        pass
+
     def finish(self, times: PhaseTimes) -> None:
         pass
 
@@ -65,6 +72,7 @@ class DelayedUpdate:
         self._immediate = ImmediateUpdate(optimizer, weights, gradient)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-dpu")
         self._pending: concurrent.futures.Future | None = None
+        self._unpublished = False  # a finished step whose weights are not in the model yet
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
         if step < self.warmup:  # counted from the run's first step, so a resumed run continues alike
@@ -87,18 +95,25 @@ class DelayedUpdate:
         """A step runs on the worker: it alone may use the optimizer and its store."""
         return self._pending is not None
 
-    def finish(self, times: PhaseTimes) -> None:
-        """Wait for the step in flight, if any, and publish its weights."""
+    def wait(self, times: PhaseTimes) -> None:
+        """Wait for the step in flight, if any; its weights stay unpublished."""
         if self._pending is None:
             return
         start = time.perf_counter()
         pending, self._pending = self._pending, None
+        self._unpublished = True
         times.optimizer = pending.result()  # re-raises the worker's error here, once
         times.dpu_wait = time.perf_counter() - start
         times.optimizer_detail = dict(vars(self.optimizer.times))
-        start = time.perf_counter()
-        self.weights.end_publish()
-        times.publish = time.perf_counter() - start
+
+    def finish(self, times: PhaseTimes) -> None:
+        """Wait for the step in flight, if any, and publish its weights."""
+        self.wait(times)
+        if self._unpublished:
+            self._unpublished = False
+            start = time.perf_counter()
+            self.weights.end_publish()
+            times.publish = time.perf_counter() - start
 
     def close(self) -> None:
         self._worker.shutdown()

@@ -200,6 +200,7 @@ def test_backward_takes_a_model_output_and_forward_passes_keywords(kind):
 def test_close_gives_the_model_back_in_its_dtype_with_the_trained_weights(tmp_path, stage, device, param_device):
     model = make_model()
     model.register_buffer("counter", torch.arange(3))  # integer buffers keep their dtype throughout
+    model.register_buffer("scale", torch.ones(2), persistent=False)  # not in the state dict, yet the model's
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     engine = train_engine(model, 2, 1, config(stage, device, 1, str(tmp_path), param_device=param_device,
                                               bf16={"enabled": True}))
@@ -207,7 +208,7 @@ def test_close_gives_the_model_back_in_its_dtype_with_the_trained_weights(tmp_pa
     trained = engine.state_dict()
     engine.close()
     state = model.state_dict()
-    assert {k: v.dtype for k, v in state.items()} == dtypes
+    assert {k: v.dtype for k, v in state.items()} == dtypes and model.scale.dtype == torch.float32
     assert all(torch.equal(state[k], trained[k]) for k in trained)
     assert model.head.weight is model.embed.weight  # still tied
     model(batch(0, 0, 0)).backward()  # an ordinary module again
@@ -258,3 +259,21 @@ def test_where_things_run_is_said_once(monkeypatch):
         engine_module._warn_if_cpu_beside_cuda(torch.device("cpu"))
         engine_module._warn_if_cpu_beside_cuda(torch.device("cpu"))
     assert len(caught) == 1
+
+
+def test_looking_at_a_delayed_update_does_not_change_it():
+    """A memory report, a state dict or the disk traffic mid-run wait for the
+    worker but leave its weights unpublished: the schedule, and so the
+    training, is the same as a run nobody looked at."""
+    cfg = _dpu_config("cpu", None)
+    with train_engine(make_model(), DPU_STEPS, 1, cfg) as quiet:
+        expected = quiet.state_dict()
+    with offload.initialize(make_model(), cfg) as watched:
+        for step in range(DPU_STEPS):
+            watched.backward(watched(batch(step, 0, 0)))
+            watched.step()
+            watched.memory_report()
+            watched.disk_traffic()
+            watched.state_dict()
+        state = watched.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)

@@ -30,8 +30,15 @@ from offload.config import Config
 from offload.errors import ConfigError, UsageError
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
+from offload.store.pool import PinnedPool, footprint
 from offload.zero import comm
-from offload.zero.consolidate import StateEntries, assemble, export_plan, named_weights, owned_ranges
+from offload.zero.consolidate import (
+    StateEntries,
+    assemble,
+    export_plan,
+    named_weights,
+    owned_ranges,
+)
 from offload.zero.grads import GradientReducer
 from offload.zero.layout import FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
@@ -39,6 +46,7 @@ from offload.zero.materialize import is_meta, materialize
 from offload.zero.optimizer import make_optimizer
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
 from offload.zero.stage3 import PartitionedWeights
+from offload.zero.transfer import Transfer
 from offload.zero.update import DelayedUpdate, ImmediateUpdate
 from offload.zero.weights import ReplicatedWeights
 
@@ -75,19 +83,24 @@ class Engine:
         pin = offload.pin_memory and torch.cuda.is_available()
         # Where the optimizer reads gradients and writes new weights: beside its state.
         where, tier = (dict(device="cpu", pin_memory=pin), "host") if offloaded else (dict(device=self.device), "device")
-        self.optimizer = make_optimizer(self.layout.owned, config, self.device)
+        # Staging for gradient parts copied out while earlier ones still land: two of the largest.
+        largest_part = max(b.part for b in self.layout.buckets) * torch.empty((), dtype=self.dtype).element_size()
+        self.transfer = Transfer(self.device, PinnedPool(2 * footprint(largest_part), "gradient staging",
+                                                         None if offload.pin_memory else False))
+        self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer)
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,
-                                           offload.buffer_count, None if offload.pin_memory else False)
+                                           offload.buffer_count, None if offload.pin_memory else False, self.transfer)
         else:
             self.gradient = InMemoryGradient(self.optimizer.groups, self.layout.owned, grad_dtype, where["device"],
-                                             pin and offloaded, tier)
+                                             pin and offloaded, tier, self.transfer)
         # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
         self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self.gradient)
         if zero.stage == 3:
             # After the reducer: its gradient hooks must run before the weights' release hooks.
-            self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype, where, tier)
+            self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype, where, tier,
+                                              self.transfer)
             self._partition_stage3(model, init_fn)
         else:
             if is_meta(model):
@@ -97,8 +110,8 @@ class Engine:
                                             self.layout.owned_values(bucket))
             self.optimizer.finish_master()
             model.to(self.device, self.dtype)
-            direct = self.device.type == "cpu" and not offload.delayed_update  # the flat buffer is host memory
-            self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, direct)
+            self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, offload.delayed_update,
+                                             self.transfer)
         self.reducer.install()
         self.scaler = LossScaler(config.fp16)
         if offload.delayed_update:
@@ -243,7 +256,7 @@ class Engine:
         self.update.wait(self.times)
         self.optimizer.flush()
         mine = self.optimizer.read_master_ranges(owned_ranges(self.layout, self.rank))
-        return assemble(self.layout, {self.rank: mine}, comm.broadcast, self._comm_device)
+        return assemble(self.layout, {self.rank: mine}, comm.broadcast, self._comm_device, self.transfer.host_copy)
 
     def _keys(self) -> Callable[[Slot], list[str]]:
         keys_of = self.state_entries().keys_of
@@ -352,7 +365,10 @@ class Engine:
                 try:
                     self.gradient.close()
                 finally:
-                    self.optimizer.close()
+                    try:
+                        self.optimizer.close()
+                    finally:
+                        self.transfer.close()
 
     def _restore_model(self) -> None:
         """Trained parameters from the fp32 master weights; the rest (frozen
@@ -361,7 +377,7 @@ class Engine:
         trainable = {p: name for name, p in _parameters_and_buffers(self.module) if p in self.reducer.slot_of}
         with torch.no_grad():
             for slot, full in self._assemble():
-                slot.param.data = full.to(self.device, self._original_dtypes[trainable[slot.param]])
+                slot.param.data = self.transfer.device_copy(full, self._original_dtypes[trainable[slot.param]])
             for name, value in _parameters_and_buffers(self.module):
                 if value not in self.reducer.slot_of:
                     value.data = value.data.to(self._original_dtypes[name])

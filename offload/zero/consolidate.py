@@ -51,11 +51,12 @@ def owned_ranges(layout: FlatLayout, rank: int) -> list[tuple[int, int]]:
     return [(p.owned_lo, p.owned_hi) for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == rank]
 
 
-def assemble(layout: FlatLayout, sources: dict[int, Iterator[torch.Tensor]], share: Share,
-             device: torch.device) -> Iterator[tuple[Slot, torch.Tensor]]:
+def assemble(layout: FlatLayout, sources: dict[int, Iterator[torch.Tensor]], share: Share, device: torch.device,
+             to_host: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Iterator[tuple[Slot, torch.Tensor]]:
     """Each trainable parameter in layout order, fp32 on the host: a rank in
     ``sources`` gives its pieces in the order of ``owned_ranges``; ``share``
-    then hands each piece to every process."""
+    then hands each piece to every process (on ``device``, which ``to_host``
+    copies from)."""
     for slot in layout.slots:
         full = torch.empty(slot.numel, device=device)
         for piece in layout.pieces_of(slot):
@@ -63,7 +64,7 @@ def assemble(layout: FlatLayout, sources: dict[int, Iterator[torch.Tensor]], sha
             if piece.rank in sources:
                 out.copy_(next(sources[piece.rank]))
             share(out, piece.rank)
-        yield slot, full.cpu().view(slot.shape)
+        yield slot, to_host(full).view(slot.shape)
 
 
 def keep_local(piece: torch.Tensor, rank: int) -> None:

@@ -32,6 +32,7 @@ from offload.report import DiskTraffic, MemoryReport
 from offload.store import TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
 from offload.zero.owned_grad import OwnedGradient
+from offload.zero.transfer import Transfer
 from offload.zero.weights import Weights
 
 
@@ -84,15 +85,16 @@ class ShardOptimizer:
     #   memory(report), traffic(), close()
 
 
-def make_optimizer(numel: int, config: Config, device: torch.device) -> ShardOptimizer:
+def make_optimizer(numel: int, config: Config, device: torch.device, transfer: Transfer) -> ShardOptimizer:
     if config.zero_optimization.offload_optimizer.device == "none":
-        return DeviceOptimizer(numel, config, device)
+        return DeviceOptimizer(numel, config, device, transfer)
     return StoreOptimizer(numel, config)
 
 
 class DeviceOptimizer(ShardOptimizer):
-    def __init__(self, numel: int, config: Config, device: torch.device) -> None:
+    def __init__(self, numel: int, config: Config, device: torch.device, transfer: Transfer) -> None:
         super().__init__(numel, config)
+        self.transfer = transfer
         p = config.optimizer.params
         self._master = torch.zeros(numel, device=device)
         self._master.grad = torch.zeros_like(self._master)
@@ -138,16 +140,16 @@ class DeviceOptimizer(ShardOptimizer):
 
     def read_master_ranges(self, ranges: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
         for lo, hi in ranges:
-            yield self._master[lo:hi].detach().cpu().clone()
+            yield self.transfer.host_copy(self._master[lo:hi].detach())
 
     def state_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         moments = self._torch_opt.state.get(self._master)
         for lo, hi in self.groups:
             state = torch.zeros(3, hi - lo)
-            state[0].copy_(self._master[lo:hi])
+            state[0] = self.transfer.host_copy(self._master[lo:hi].detach())
             if moments:  # no step yet: the moments are zero
-                state[1].copy_(moments["exp_avg"][lo:hi])
-                state[2].copy_(moments["exp_avg_sq"][lo:hi])
+                state[1] = self.transfer.host_copy(moments["exp_avg"][lo:hi])
+                state[2] = self.transfer.host_copy(moments["exp_avg_sq"][lo:hi])
             yield lo, hi, state
 
     def load_state(self, fill: Callable[[torch.Tensor], None], step_count: int, weights: Weights) -> None:
@@ -157,12 +159,12 @@ class DeviceOptimizer(ShardOptimizer):
         state = torch.zeros(3, self.numel)
         for lo, hi in self.groups:
             fill(state[:, lo:hi])
-        self._master.copy_(state[0])
+        self._master.copy_(self.transfer.device_copy(state[0]))
         self._torch_opt.state.pop(self._master, None)
         if step_count:
             self._torch_opt.state[self._master] = {
                 "step": torch.tensor(float(step_count)),
-                "exp_avg": state[1].to(self._master.device), "exp_avg_sq": state[2].to(self._master.device)}
+                "exp_avg": self.transfer.device_copy(state[1]), "exp_avg_sq": self.transfer.device_copy(state[2])}
         self._emit(weights)
 
     def memory(self, report: MemoryReport) -> None:

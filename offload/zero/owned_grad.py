@@ -25,8 +25,9 @@ import torch
 
 from offload.optim.grad_stats import sum_squares
 from offload.report import DiskTraffic, MemoryReport
-from offload.store import AioSettings, TieredStore, pool_bytes
+from offload.store import AioSettings, PoolExhausted, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
+from offload.zero.transfer import Pending, Transfer
 
 
 def gradient_dtype(compute: torch.dtype, stage: int, accumulation: int) -> torch.dtype:
@@ -69,15 +70,21 @@ class InMemoryGradient:
     added, not at construction: building a large model should not cost it.
     It is never zeroed in a pass of its own: a range's first part in a window
     is copied in, later ones added, and only the ranges no part reached are
-    zeroed, when the window is read."""
+    zeroed, when the window is read. In host memory (tier ``host``), parts
+    leave the accelerator asynchronously (Note [transfer protocol]): a first
+    part straight into its range, a later one into a staging buffer, added
+    once it has landed; backward never waits for a copy, readers of the
+    window do."""
 
     def __init__(self, groups: SubGroups, numel: int, dtype: torch.dtype, device: torch.device, pin: bool,
-                 tier: str) -> None:
+                 tier: str, transfer: Transfer) -> None:
         self.groups, self.numel, self.dtype, self.device, self.pin = groups, numel, dtype, torch.device(device), pin
-        self.tier = tier  # for the memory report: "device" or "host"
+        self.tier = tier  # "device" (beside the optimizer on the accelerator) or "host"
+        self.transfer = transfer
         self._tensor: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None
         self._touched: dict[int, int] = {}  # lo -> hi of each range holding this window's parts
+        self._landing: list[tuple[int, int, Pending, bool]] = []  # (lo, hi, copy, is the range's first part)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -89,18 +96,38 @@ class InMemoryGradient:
         return torch.empty(self.numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        values = values if values.device == self.device else values.to(self.device)
-        if lo in self._touched:
-            self.tensor[lo:hi].add_(values)
+        first = lo not in self._touched
+        self._touched[lo] = hi
+        if self.tier == "device":
+            (self.tensor[lo:hi].copy_ if first else self.tensor[lo:hi].add_)(values)
+            return
+        self._land(block=False)
+        if first:
+            pending = self.transfer.to_host(values, into=self.tensor[lo:hi])
         else:
-            self.tensor[lo:hi].copy_(values)
-            self._touched[lo] = hi
+            try:
+                pending = self.transfer.to_host(values)
+            except PoolExhausted:  # staging buffers are all in flight: let some land
+                self._land(block=True)
+                pending = self.transfer.to_host(values)
+        self._landing.append((lo, hi, pending, first))
+
+    def _land(self, block: bool) -> None:
+        """Add in the parts whose copies are done (all of them, if ``block``), in order."""
+        while self._landing and (block or self._landing[0][2].done()):
+            lo, hi, pending, first = self._landing.pop(0)
+            landed = pending.wait()
+            if not first:
+                self.tensor[lo:hi].add_(landed)
+            pending.release()
 
     def end_of_backward(self) -> None:
-        pass
+        self._land(block=False)
 
     def _settle(self) -> None:
-        """Zero the ranges no part reached in this window, so reads see zeros there."""
+        """Every part landed, and the ranges no part reached zeroed, so reads see
+        this window's gradient."""
+        self._land(block=True)
         at = 0
         for lo, hi in sorted(self._touched.items()) + [(self.numel, self.numel)]:
             if at < lo:
@@ -130,16 +157,17 @@ class InMemoryGradient:
 
     def zero(self) -> None:
         """Nothing is written now: the next window's parts are copied in."""
+        self._land(block=True)  # no copy may still be writing into the buffer
         self._touched.clear()
 
     def take_window(self) -> InMemoryGradient:
         """The delayed update's double buffer: the window just completed, as a
         gradient of its own for the worker to read, while parts go on being
-        added into the other buffer (zeroed now; allocated the first time)."""
-        window = InMemoryGradient(self.groups, self.numel, self.dtype, self.device, self.pin, self.tier)
-        window._tensor, window._touched = self.tensor, self._touched
+        added into the other buffer (allocated the first time)."""
+        window = InMemoryGradient(self.groups, self.numel, self.dtype, self.device, self.pin, self.tier, self.transfer)
+        window._tensor, window._touched, window._landing = self.tensor, self._touched, self._landing
         self._tensor = self._spare if self._spare is not None else self._allocate()
-        self._touched = {}
+        self._touched, self._landing = {}, []
         self._spare = window._tensor
         return window
 
@@ -154,6 +182,7 @@ class InMemoryGradient:
         return DiskTraffic(0, 0)
 
     def close(self) -> None:
+        self._land(block=True)
         self._tensor = self._spare = None
 
 
@@ -163,8 +192,8 @@ class OnDiskGradient:
     its first touch in a window starts from zeros, unread."""
 
     def __init__(self, groups: SubGroups, dtype: torch.dtype, nvme_path: str, aio: AioSettings, buffer_count: int,
-                 pin: bool | None) -> None:
-        self.groups, self.dtype = groups, dtype
+                 pin: bool | None, transfer: Transfer) -> None:
+        self.groups, self.dtype, self.transfer = groups, dtype, transfer
         element = torch.empty((), dtype=dtype).element_size()
         self.store = TieredStore(
             nvme_path, aio=aio, pin_memory=pin,
@@ -183,11 +212,18 @@ class OnDiskGradient:
         return f"grad{i:05d}"
 
     def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """The part is waited for here (a disk write follows it anyway)."""
+        pending = self.transfer.to_host(values)
+        try:
+            self._add(lo, hi, pending.wait())
+        finally:
+            pending.release()
+
+    def _add(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Parts arrive in backward order, from high offsets to low: a part across
         a sub-group boundary is added from its top down, so the lower sub-group
         stays open for the next part, and each sub-group is written once per
         backward instead of bouncing between two."""
-        values = values.to("cpu")
         open_group = None if self._open is None else self._open[0]
         overlaps = sorted(self.groups.meeting(lo, hi), key=lambda o: (o[0] != open_group, -o[0]))
         for i, g_lo, a, b in overlaps:

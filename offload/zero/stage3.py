@@ -66,6 +66,7 @@ from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
+from offload.zero.transfer import Pending, Transfer
 
 
 class ParamState(enum.Enum):
@@ -130,7 +131,7 @@ def _say_what_stays_in_cpu(layout: FlatLayout, in_cpu: int, max_in_cpu: int) -> 
 
 class PartitionedWeights:
     def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
-                 dtype: torch.dtype, publish_on: dict, publish_tier: str) -> None:
+                 dtype: torch.dtype, publish_on: dict, publish_tier: str, transfer: Transfer) -> None:
         """``publish_on``: where the optimizer hands over new weights (device,
         pin_memory), the ``publish_tier`` of the memory report."""
         zero = config.zero_optimization
@@ -181,6 +182,8 @@ class PartitionedWeights:
         self._model = model
         self._hooks = []
         self._publish_on, self._publish_tier = publish_on, publish_tier
+        self.transfer = transfer
+        self._uploads: list[Pending] = []  # publish: host parts on their way to the accelerator's shards
         # Note [pass hooks]
         # The gradient hooks registered by forward passes, removed when a backward
         # ends. An ``all`` multi-grad hook's closure holds its tensors' grad_fns,
@@ -196,7 +199,8 @@ class PartitionedWeights:
     def add(self, param: torch.nn.Parameter) -> None:
         """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
         m = self._managed[param]
-        self._write_shard(m, self.layout.owned_values(m.bucket, self.dtype))
+        self._write_shard(m, self.layout.owned_values(m.bucket, self.dtype), on_host=True)
+        self._land_uploads()
         self._free(m)
 
     def finish(self) -> None:
@@ -213,16 +217,31 @@ class PartitionedWeights:
 
     # -- tiers -----------------------------------------------------------------------
 
-    def _write_shard(self, m: _Managed, part: torch.Tensor) -> None:
+    def _write_shard(self, m: _Managed, part: torch.Tensor, on_host: bool) -> None:
+        """``part`` (in host memory if ``on_host``, else on the accelerator) becomes
+        m's part in its tier. An upload to the accelerator is waited for before
+        ``part``'s memory is reused (``_land_uploads``)."""
         if m.tier == "none":
-            if m.key in self._shards:
-                self._shards[m.key].copy_(part)
+            if m.key not in self._shards:
+                self._shards[m.key] = torch.empty(part.shape, dtype=self.dtype, device=self.device)
+            if on_host:
+                self._uploads.append(self.transfer.to_device(part, self._shards[m.key]))
             else:
-                self._shards[m.key] = part.to(self.device).clone()
-        elif m.key not in self.store.keys():
-            self.store.put(m.key, part, m.tier)
+                self._shards[m.key].copy_(part)
+            return
+        landed = None if on_host else self.transfer.to_host(part)
+        host = part if landed is None else landed.wait()
+        if m.key not in self.store.keys():
+            self.store.put(m.key, host, m.tier)
         else:
-            self.store.overwrite(m.key, part)  # the old part is not read back first
+            self.store.overwrite(m.key, host)  # the old part is not read back first
+        if landed is not None:
+            landed.release()
+
+    def _land_uploads(self) -> None:
+        for pending in self._uploads:
+            pending.release()
+        self._uploads = []
 
     def _read_shard(self, m: _Managed) -> torch.Tensor:
         if m.tier == "none":
@@ -242,16 +261,25 @@ class PartitionedWeights:
         if m.state is ParamState.GATHERED:
             return
         p, numel = m.slot.param, m.slot.numel
-        # Blocking copy: the shard's pool buffer is handed back right after.
-        shard = self._read_shard(m).to(self.device)
         p.data.untyped_storage().resize_(numel * p.element_size())
-        if self.layout.world > 1:
-            full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
-            comm.all_gather(full, shard)
-            p.data.view(-1).copy_(full[:numel])
+        whole = self.layout.world == 1  # this rank's part is the whole parameter (and padding)
+        if m.tier == "none":
+            local, landing = self._shards[m.key], None
         else:
-            p.data.view(-1).copy_(shard[:numel])
-        self._done_with_shard(m)
+            host = self._read_shard(m)
+            local = p.data.view(-1) if whole else torch.empty(m.bucket.part, dtype=self.dtype, device=self.device)
+            landing = self.transfer.to_device(host[:numel] if whole else host, local)
+            landing.wait()  # Note [transfer protocol]: the accelerator computes with it next
+        if whole:
+            if landing is None:
+                p.data.view(-1).copy_(local[:numel])
+        else:
+            full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
+            comm.all_gather(full, local)
+            p.data.view(-1).copy_(full[:numel])
+        if landing is not None:
+            landing.release()  # the host buffer goes back to the store only once the copy has read it
+            self._done_with_shard(m)
         m.state = ParamState.GATHERED
         self.live_elements += numel
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
@@ -412,6 +440,7 @@ class PartitionedWeights:
     def target(self, lo: int, hi: int) -> torch.Tensor:
         """One scratch buffer, reused for every sub-group: each parameter's part is
         copied out in ``accept``, so no owned-size staging copy is needed."""
+        self._land_uploads()  # the last sub-group's uploads read the scratch buffer
         if self._scratch is None or self._scratch.numel() < hi - lo:
             self._scratch = torch.empty(hi - lo, dtype=self.dtype, **self._publish_on)
         return self._scratch[: hi - lo]
@@ -419,23 +448,24 @@ class PartitionedWeights:
     def accept(self, lo: int, hi: int) -> None:
         """Each parameter's part is written to its tier once complete (a sub-group may
         end inside a parameter)."""
-        weights = self._scratch
+        weights, on_host = self._scratch, self._publish_tier == "host"
         for bucket, a, b in self.layout.buckets_meeting(lo, hi):
             m = self._managed[bucket.slots[0].param]
             start = bucket.owned_offset
             if a == start and b == start + bucket.part:
-                self._write_shard(m, weights[a - lo : b - lo])
+                self._write_shard(m, weights[a - lo : b - lo], on_host)
                 continue
-            part, filled = self._incoming.get(m, (torch.empty(bucket.part, dtype=self.dtype), 0))
+            part, filled = self._incoming.get(m, (torch.empty(bucket.part, dtype=self.dtype, **self._publish_on), 0))
             part[a - start : b - start].copy_(weights[a - lo : b - lo])
             filled += b - a
             if filled == bucket.part:
                 self._incoming.pop(m, None)
-                self._write_shard(m, part)
+                self._write_shard(m, part, on_host)
             else:
                 self._incoming[m] = (part, filled)
 
     def end_publish(self) -> None:
+        self._land_uploads()
         if self._incoming:
             raise RuntimeError(f"stage 3 publish: {len(self._incoming)} parameters received only part of their weights")
         for m in self._managed.values():
@@ -476,5 +506,6 @@ class PartitionedWeights:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._land_uploads()
         if self.store is not None:
             self.store.close()

@@ -28,6 +28,7 @@ import torch
 from offload.report import DiskTraffic, MemoryReport
 from offload.zero import comm
 from offload.zero.layout import FlatLayout
+from offload.zero.transfer import Pending, Transfer
 
 
 class Weights(Protocol):
@@ -59,11 +60,16 @@ class Weights(Protocol):
 
 class ReplicatedWeights:
     def __init__(self, layout: FlatLayout, device: torch.device, dtype: torch.dtype, staging_on: dict,
-                 staging_tier: str, direct: bool) -> None:
+                 staging_tier: str, delayed: bool, transfer: Transfer) -> None:
         """``staging_on``: where the optimizer writes new weights (device,
-        pin_memory), the ``staging_tier`` of the memory report; ``direct``: it
-        may write into the flat buffer itself (host memory, nothing running)."""
-        self.layout, self.dtype, self.staging_tier, self.direct = layout, dtype, staging_tier, direct
+        pin_memory), the ``staging_tier`` of the memory report; ``delayed``:
+        a delayed update writes them while the model runs, so they reach the
+        model only at ``end_publish``."""
+        self.layout, self.dtype, self.staging_tier, self.delayed = layout, dtype, staging_tier, delayed
+        self.transfer = transfer
+        self.upload = staging_tier == "host"  # staging in host memory, the weights on the accelerator
+        # The flat buffer is host memory and nothing runs during the step: write into it.
+        self.direct = device.type == "cpu" and not transfer.asynchronous and not delayed
         self.flat = torch.zeros(layout.total, dtype=dtype, device=device)
         for slot in layout.slots:
             view = self.flat[slot.offset : slot.offset + slot.numel]
@@ -71,6 +77,7 @@ class ReplicatedWeights:
             slot.param.data = view.view(slot.shape)
         self.staging = torch.empty(layout.owned, dtype=dtype, **staging_on)
         self._staged: list[tuple[int, int]] = []  # direct: ranges written to staging, not yet copied in
+        self._uploads: list[Pending] = []  # staging -> flat copies of this publish
 
     def begin_pass(self) -> None:
         pass
@@ -79,7 +86,10 @@ class ReplicatedWeights:
         pass
 
     def begin_publish(self) -> None:
-        pass
+        """The last publish's uploads read staging, which is about to be rewritten."""
+        for pending in self._uploads:
+            pending.release()
+        self._uploads = []
 
     def target(self, lo: int, hi: int) -> torch.Tensor:
         if self.direct:
@@ -92,22 +102,32 @@ class ReplicatedWeights:
         return self.staging[lo:hi]
 
     def accept(self, lo: int, hi: int) -> None:
-        """Direct: a range written to staging (it spans buckets) is copied in now.
-        Otherwise every part is copied in at end_publish: a delayed update fills
-        staging while the model runs."""
-        if (lo, hi) in self._staged:
-            self._staged.remove((lo, hi))
+        """The sub-group's weights head for the model now (its upload overlaps the
+        next sub-group's Adam), unless a delayed update wrote them: then the
+        model still runs, and they go at end_publish."""
+        if self.direct:
+            if (lo, hi) in self._staged:
+                self._staged.remove((lo, hi))
+                self._copy_in(lo, hi)
+        elif not self.delayed:
             self._copy_in(lo, hi)
 
     def _copy_in(self, lo: int, hi: int) -> None:
         for bucket, a, b in self.layout.buckets_meeting(lo, hi):
             begin = bucket.part_range(self.layout.rank).start + a - bucket.owned_offset
-            self.flat[begin : begin + b - a].copy_(self.staging[a:b])  # blocking: a delayed update writes staging next
+            mine = self.flat[begin : begin + b - a]
+            if self.upload:
+                self._uploads.append(self.transfer.to_device(self.staging[a:b], mine))
+            else:
+                mine.copy_(self.staging[a:b])
 
     def end_publish(self) -> None:
-        """This rank's new parts from staging (unless written in place), then every bucket all-gathered."""
-        if not self.direct:
+        """This rank's new parts in place (Note [transfer protocol]: the uploads
+        waited for), then every bucket all-gathered."""
+        if self.delayed:
             self._copy_in(0, self.layout.owned)
+        for pending in self._uploads:
+            pending.wait()
         if self.layout.world > 1:
             for bucket in self.layout.buckets:
                 comm.all_gather(self.flat[bucket.flat_range()], self.flat[bucket.part_range(self.layout.rank)].clone())
@@ -122,4 +142,4 @@ class ReplicatedWeights:
         return DiskTraffic(0, 0)
 
     def close(self) -> None:
-        pass
+        self.begin_publish()  # no upload may outlive the engine

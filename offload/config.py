@@ -119,7 +119,8 @@ class ZeroConfig:
     contiguous_gradients: bool = _f(True, "gradients are always copied into contiguous buckets; false is warned about")
     offload_optimizer: OffloadOptimizerConfig = _f(OffloadOptimizerConfig(), "optimizer state tier")
     offload_param: OffloadParamConfig = _f(OffloadParamConfig(), "stage 3: weight partition tier")
-    stage3_prefetch_bucket_size: int = _f(50_000_000, "stage 3, weights on nvme: elements read ahead, in the recorded order", ge=0)
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "stage 3, weights off the accelerator: elements brought ahead "
+                                          "(uploaded, or read from nvme), in the recorded order", ge=0)
     stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: read-ahead stops where gathered plus read-ahead "
                                          "elements would pass this (the running module is gathered regardless)", ge=1)
     stage3_param_persistence_threshold: int = _f(100_000, "stage 3: parameters this small stay gathered", ge=0)
@@ -227,10 +228,10 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.contiguous_gradients", not z.contiguous_gradients, "gradients are always copied into contiguous buckets"),
         ("zero_optimization.reduce_bucket_size", z.stage == 3, "stage 3 reduces each parameter's gradient on its own"),
         ("zero_optimization.stage3_param_persistence_threshold", z.stage < 3, "it needs stage 3"),
-        ("zero_optimization.stage3_prefetch_bucket_size", z.stage < 3 or op.device != "nvme",
-         "only stage 3 weights on nvme are read ahead"),
-        ("zero_optimization.stage3_max_live_parameters", z.stage < 3 or op.device != "nvme",
-         "it bounds the read-ahead of stage 3 weights on nvme"),
+        ("zero_optimization.stage3_prefetch_bucket_size", z.stage < 3 or op.device == "none",
+         "only stage 3 weights off the accelerator are brought ahead"),
+        ("zero_optimization.stage3_max_live_parameters", z.stage < 3 or op.device == "none",
+         "it bounds what stage 3 brings ahead of weights off the accelerator"),
         ("zero_optimization.offload_param.buffer_size", True, "buffers are sized to each parameter's part; "
          "the value is only checked to hold the largest"),
         ("zero_optimization.offload_param.buffer_count", op.device != "nvme", "host weight buffers serve device nvme only"),

@@ -264,6 +264,11 @@ class TieredStore:
     def state(self, key: str) -> State:
         return self._shard(key).state
 
+    def landed(self, key: str) -> bool:
+        """The shard's data is in memory, so ``get`` returns without waiting on the disk."""
+        shard = self._shard(key)
+        return shard.state in (State.CPU, State.RESIDENT) or (shard.state is State.READING and shard.handle.done())
+
     def swap_paths(self) -> list[str]:
         """The swap files, for tools that measure or inspect them."""
         return [f.path for f in self._cleanup.files]

@@ -32,13 +32,16 @@ What each setting bounds here:
     first parameters (in registration order) whose parts add up to at most
     this many elements keep their part in host memory instead of a swap file,
     so neither the forward nor the backward pass reads them from disk;
-  - ``stage3_prefetch_bucket_size``: elements of nvme weights read ahead,
-    into host buffers, in the recorded order (no effect for cpu and none
-    tiers: there is nothing to read ahead from);
-  - ``stage3_max_live_parameters``: elements gathered plus elements read
-    ahead. Read-ahead stops where it would pass the bound; the parameters of
-    the module about to run are gathered regardless, as in DeepSpeed, so the
-    peak is at most this plus one module's own parameters;
+  - ``stage3_prefetch_bucket_size``: elements brought ahead of their module,
+    in the recorded order: parts in host memory (cpu tier, or nvme parts
+    whose read has landed) are uploaded to the accelerator on the h2d stream,
+    nvme parts not read yet are read into host buffers (no effect with
+    weights on the accelerator: nothing to bring);
+  - ``stage3_max_live_parameters``: elements gathered (uploads ahead
+    included) plus elements read ahead. Prefetch stops where it would pass
+    the bound; the parameters of the module about to run are gathered
+    regardless, as in DeepSpeed, so the peak is at most this plus one
+    module's own parameters;
   - ``offload_param.buffer_count``: host buffers for weights in flight: one
     for the parameter being gathered, one for a write-back, the rest read-ahead.
 Gathered weights are released as soon as their module is done, so the
@@ -146,6 +149,7 @@ class PartitionedWeights:
         self.live_elements = self.peak_live_elements = 0
         self.ahead_elements = self.peak_ahead_elements = 0
         self.peak_held_elements = 0  # gathered plus read ahead (Note [stage 3 limits])
+        self.uploads_ahead = 0  # parts sent to the accelerator before their module asked
         self._element = torch.empty((), dtype=dtype).element_size()
         self.store: TieredStore | None = None
         self._shards: dict[str, torch.Tensor] = {}  # tier none
@@ -177,7 +181,8 @@ class PartitionedWeights:
         self._cursor = 0
         self._on_trace = True
         self._training = True
-        self._read_ahead: dict[str, _Managed] = {}
+        self._read_ahead: dict[str, _Managed] = {}  # nvme parts being read into host buffers
+        self._uploaded: dict[_Managed, tuple[Pending, torch.Tensor]] = {}  # parts on their way to the accelerator
         self._warned_order = False
         self._model = model
         self._hooks = []
@@ -263,15 +268,21 @@ class PartitionedWeights:
         p, numel = m.slot.param, m.slot.numel
         p.data.untyped_storage().resize_(numel * p.element_size())
         whole = self.layout.world == 1  # this rank's part is the whole parameter (and padding)
+        copied = False
         if m.tier == "none":
             local, landing = self._shards[m.key], None
+        elif m in self._uploaded:  # uploaded ahead: counted as live already
+            landing, local = self._uploaded.pop(m)
+            self.live_elements -= numel
         else:
             host = self._read_shard(m)
+            copied = whole  # straight into the parameter
             local = p.data.view(-1) if whole else torch.empty(m.bucket.part, dtype=self.dtype, device=self.device)
             landing = self.transfer.to_device(host[:numel] if whole else host, local)
+        if landing is not None:
             landing.wait()  # Note [transfer protocol]: the accelerator computes with it next
         if whole:
-            if landing is None:
+            if not copied:
                 p.data.view(-1).copy_(local[:numel])
         else:
             full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
@@ -281,11 +292,14 @@ class PartitionedWeights:
             landing.release()  # the host buffer goes back to the store only once the copy has read it
             self._done_with_shard(m)
         m.state = ParamState.GATHERED
-        self.live_elements += numel
-        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
-        self._note_held()
+        self._count_live(numel)
         if record:
             self._note_order(m)
+
+    def _count_live(self, elements: int) -> None:
+        self.live_elements += elements
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        self._note_held()
 
     def _note_held(self) -> None:
         self.peak_held_elements = max(self.peak_held_elements, self.live_elements + self.ahead_elements)
@@ -387,36 +401,62 @@ class PartitionedWeights:
                           "the same modules in the same order.", RuntimeWarning, stacklevel=2)
 
     def _prefetch(self) -> None:
-        """Read ahead the nvme parts due next: a window of the trace holding at most
-        ``stage3_prefetch_bucket_size`` elements, and no more than leaves gathered
-        plus read-ahead within ``stage3_max_live_parameters`` (Note [stage 3 limits])."""
+        """The parts due next, in a window of the trace holding at most
+        ``stage3_prefetch_bucket_size`` elements, and no more than keeps gathered
+        (uploaded ahead included) plus read-ahead within
+        ``stage3_max_live_parameters`` (Note [stage 3 limits]): each part in host
+        memory starts its upload to the accelerator; each nvme part not read yet
+        starts its read, in at most ``buffer_count - 2`` pool buffers."""
         trace = self._trace.get(self._training)
         if not trace or not self._on_trace:
             return
-        window = min(self.prefetch_elements, self.max_live - self.live_elements)
-        due: list[_Managed] = []
+        uploading = sum(m.slot.numel for m in self._uploaded)
+        window = min(self.prefetch_elements - uploading - self.ahead_elements,
+                     self.max_live - self.live_elements - self.ahead_elements)
+        reads: list[_Managed] = []
+        room = self.read_ahead_buffers - len(self._read_ahead) - sum(m.tier == "nvme" for m in self._uploaded)
         seen: set[str] = set()
-        room = self.read_ahead_buffers - len(self._read_ahead)
         for m in trace[self._cursor :]:
-            if m.tier != "nvme" or m.key in seen:
+            if m.tier == "none" or m.key in seen or m.state is ParamState.GATHERED or m in self._uploaded:
                 continue
-            if window < m.slot.numel or len(due) >= room:
-                break
-            window -= m.slot.numel
             seen.add(m.key)
-            if m.state is ParamState.PARTITIONED and m.key not in self._read_ahead:
-                due.append(m)
-        if not due:
-            return
-        for m in due:
+            if m.tier == "cpu" or self.store.landed(m.key):
+                if window < m.slot.numel:
+                    break
+                window -= m.slot.numel
+                self._upload_ahead(m)
+            elif m.key not in self._read_ahead:
+                if window < m.slot.numel or len(reads) >= room:
+                    break
+                window -= m.slot.numel
+                reads.append(m)
+        for m in reads:
             self._read_ahead[m.key] = m
             self.ahead_elements += m.slot.numel
         self.peak_ahead_elements = max(self.peak_ahead_elements, self.ahead_elements)
         self._note_held()
-        self.store.prefetch(m.key for m in due)
+        if reads:
+            self.store.prefetch(m.key for m in reads)
+
+    def _upload_ahead(self, m: _Managed) -> None:
+        """Start m's part on its way to the accelerator; it counts as gathered from now."""
+        host = self._read_shard(m)
+        local = torch.empty(m.bucket.part, dtype=self.dtype, device=self.device)
+        self._uploaded[m] = (self.transfer.to_device(host, local), local)
+        self.uploads_ahead += 1
+        self._count_live(m.slot.numel)
+
+    def _drop_uploads(self) -> None:
+        """Give back the uploads ahead that will not be used (their host buffers once they landed)."""
+        for m, (pending, _) in list(self._uploaded.items()):
+            pending.release()
+            self._done_with_shard(m)
+            self.live_elements -= m.slot.numel
+        self._uploaded.clear()
 
     def _drop_read_ahead(self) -> None:
-        """Give back the buffers of read-ahead that will not be used."""
+        """Give back the buffers of read-ahead, and the uploads ahead, that will not be used."""
+        self._drop_uploads()
         if not self._read_ahead:
             return
         # A prefetch that found the pool full never started: nothing to give back.

@@ -92,15 +92,16 @@ def test_world_size_2_matches_adamw(tmp_path):
         assert os.listdir(tmp_path / f"nvme{rank}") == []
 
 
-def _read_ahead_run(tmp_path, max_live: int, prefetch: int) -> tuple[dict, dict]:
-    cfg = _stage3(tmp_path, "nvme", "cpu")
+def _read_ahead_run(tmp_path, max_live: int, prefetch: int, tier: str = "nvme") -> tuple[dict, dict]:
+    cfg = _stage3(tmp_path, tier, "cpu")
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=max_live,
                                     stage3_prefetch_bucket_size=prefetch)
     with train_engine(make_model(checkpoint=True), 4, 2, cfg) as engine:
         w = engine.weights
         io = w.store.stats()["io"]
         figures = {"ahead": w.peak_ahead_elements, "held": w.peak_held_elements, "live": w.peak_live_elements,
-                   "read_ahead": io["reads"] - io["demand_reads"], "now": w.live_elements + w.ahead_elements}
+                   "read_ahead": io["reads"] - io["demand_reads"], "now": w.live_elements + w.ahead_elements,
+                   "uploads": w.uploads_ahead}
         return figures, engine.state_dict()
 
 
@@ -121,6 +122,22 @@ def test_read_ahead_stays_within_max_live_and_prefetch_bucket(tmp_path):
     figures, _ = _read_ahead_run(tmp_path, 1_000_000, 600)
     assert 0 < figures["ahead"] <= 600  # now the prefetch bucket binds
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_weights_uploaded_ahead_count_as_gathered(tmp_path, tier):
+    """Parts go to the accelerator ahead of their module, by the recorded order,
+    for weights in host memory as on NVMe; they count against
+    stage3_max_live_parameters, so the peak of live gathered elements stays
+    within the limit plus one module, and a larger limit sends more ahead."""
+    model = make_model(checkpoint=True)
+    module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    root = model.gain.numel()
+    runs = {limit: _read_ahead_run(tmp_path, limit, 10_000, tier)[0] for limit in (700, 3_000)}
+    for limit, figures in runs.items():
+        assert figures["live"] <= limit + module + root, (limit, figures)
+        assert figures["uploads"] > 0, (limit, figures)
+    assert runs[3_000]["live"] > runs[700]["live"]  # the two limits bind differently
 
 
 def test_max_in_cpu_keeps_the_first_parts_in_host_memory(tmp_path):

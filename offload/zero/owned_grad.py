@@ -206,18 +206,30 @@ class OnDiskGradient:
         self._zeros = zeros  # what an untouched sub-group reads as
         self._open: tuple[int, torch.Tensor] | None = None
         self._touched: set[int] = set()  # sub-groups written in this accumulation window
+        self._landing: list[tuple[int, int, Pending]] = []  # parts copied out, not added yet
 
     @staticmethod
     def _key(i: int) -> str:
         return f"grad{i:05d}"
 
     def add(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """The part is waited for here (a disk write follows it anyway)."""
-        pending = self.transfer.to_host(values)
+        """The part leaves the accelerator now and is added once it has landed:
+        backward does not wait for the copy (Note [transfer protocol])."""
+        self._land(block=False)
         try:
-            self._add(lo, hi, pending.wait())
-        finally:
-            pending.release()
+            pending = self.transfer.to_host(values)
+        except PoolExhausted:  # staging buffers are all in flight: let some land
+            self._land(block=True)
+            pending = self.transfer.to_host(values)
+        self._landing.append((lo, hi, pending))
+
+    def _land(self, block: bool) -> None:
+        while self._landing and (block or self._landing[0][2].done()):
+            lo, hi, pending = self._landing.pop(0)
+            try:
+                self._add(lo, hi, pending.wait())
+            finally:
+                pending.release()
 
     def _add(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Parts arrive in backward order, from high offsets to low: a part across
@@ -228,7 +240,7 @@ class OnDiskGradient:
         overlaps = sorted(self.groups.meeting(lo, hi), key=lambda o: (o[0] != open_group, -o[0]))
         for i, g_lo, a, b in overlaps:
             if self._open is None or self._open[0] != i:
-                self.end_of_backward()
+                self._close_open()
                 key = self._key(i)
                 if i in self._touched:
                     (buffer,) = self.store.get([key])
@@ -239,6 +251,11 @@ class OnDiskGradient:
             self._open[1][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
 
     def end_of_backward(self) -> None:
+        self._land(block=True)
+        self._close_open()
+
+    def _close_open(self) -> None:
+        """Write back the sub-group parts were being added into."""
         if self._open is not None:
             self.store.release([self._key(self._open[0])], dirty=True)
             self._open = None
@@ -282,4 +299,5 @@ class OnDiskGradient:
         return DiskTraffic.of(self.store)
 
     def close(self) -> None:
+        self._land(block=True)
         self.store.close()

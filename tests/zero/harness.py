@@ -4,12 +4,17 @@ comparing the engine with torch.optim.AdamW on an unpartitioned copy."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.multiprocessing as mp
 import torch.utils.checkpoint
 
 import offload
@@ -116,3 +121,20 @@ def free_port() -> int:
 def init_gloo(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def spawn_ranks(worker: Callable[[int, int, str], None], out_dir: Path, world: int = 2) -> list[Any]:
+    """Run ``worker(rank, port, out_dir)`` on ``world`` gloo ranks; each rank's ``finish_rank`` result, by rank."""
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=world)
+    return [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def finish_rank(out_dir: str, rank: int, result: Any) -> NoReturn:
+    """Hand ``result`` to ``spawn_ranks`` and leave. Interpreter teardown is
+    skipped: gloo's background threads occasionally abort the process there
+    ("terminate called without an active exception") after all work is done;
+    every engine is closed by then and the result is on disk."""
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+    os._exit(0)

@@ -13,7 +13,6 @@ import zlib
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import offload
 from offload import _native, checkpoint
@@ -21,7 +20,7 @@ from offload.checkpoint import format as ckpt_format
 from offload.cli import main
 from offload.safetensors_file import read_safetensors
 
-from .harness import TinyLM, batch, config, free_port, init_gloo
+from .harness import TinyLM, batch, config, finish_rank, init_gloo, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -116,16 +115,11 @@ def _world2_worker(rank, port, out_dir):
             run(engine, range(2, 5), rank=rank)
             resumed = engine.state_dict()
         results[stage] = all(torch.equal(resumed[k], expected[k]) for k in expected)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # gloo teardown can abort after all work is done (see test_equivalence)
+    finish_rank(out_dir, rank, results)
 
 
 def test_world_size_2_resume_and_export(tmp_path):
-    mp.spawn(_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"2": True, "3": True}
+    assert spawn_ranks(_world2_worker, tmp_path) == [{"2": True, "3": True}] * 2
     for stage in (2, 3):
         out = tmp_path / f"exported{stage}.safetensors"
         assert main(["export", str(tmp_path / f"ckpt{stage}"), "--out", str(out)]) == 0

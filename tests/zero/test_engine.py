@@ -11,7 +11,6 @@ import os
 import psutil
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import offload
@@ -20,10 +19,11 @@ from offload import _native
 from .harness import (
     batch,
     config,
-    free_port,
+    finish_rank,
     init_gloo,
     make_model,
     max_difference,
+    spawn_ranks,
     train_engine,
     train_reference,
 )
@@ -121,17 +121,12 @@ def _dpu_world2_worker(rank: int, port: int, out_dir: str) -> None:
     ref = train_stale_reference(make_model(), DPU_STEPS, 2, DPU_WARMUP, cfg)
     with train_engine(make_model(), DPU_STEPS, 1, cfg, rank=rank) as engine:
         difference = max_difference(engine.state_dict(), ref)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(difference, f)
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # see test_equivalence: gloo's threads may abort interpreter teardown
+    finish_rank(out_dir, rank, difference)
 
 
 def test_delayed_update_at_world_size_2_equals_stale_adamw(tmp_path):
-    mp.spawn(_dpu_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            assert json.load(f) < 1e-5, rank
+    for rank, difference in enumerate(spawn_ranks(_dpu_world2_worker, tmp_path)):
+        assert difference < 1e-5, rank
         assert os.listdir(tmp_path / f"nvme{rank}") == []
 
 

@@ -3,17 +3,15 @@ every stage x offload x accumulation combination, world sizes 1 and 2 (gloo),
 with clipping on; bf16 within bf16 tolerance; fp16 overflow skips its step."""
 
 import itertools
-import json
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from offload import _native
 
-from .harness import (batch, config, free_port, init_gloo, make_model, max_difference, train_engine,
-                      train_reference)
+from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
+                      train_engine, train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -45,13 +43,7 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
         with train_engine(make_model(), STEPS, accumulation, cfg, rank=rank) as engine:
             results[f"{stage}-{device}-{accumulation}"] = max_difference(engine.state_dict(), ref)
     results["overflow"] = _overflow_on_one_rank(rank)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    torch.distributed.destroy_process_group()
-    # Skip interpreter teardown: gloo's background threads occasionally abort
-    # the process there ("terminate called without an active exception") after
-    # all work is done. Every engine above is closed; the results are on disk.
-    os._exit(0)
+    finish_rank(out_dir, rank, results)
 
 
 def _overflow_on_one_rank(rank: int) -> list:
@@ -72,10 +64,7 @@ def _overflow_on_one_rank(rank: int) -> list:
 
 
 def test_world_size_2_matches_adamw(tmp_path):
-    mp.spawn(_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            results = json.load(f)
+    for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
         assert results.pop("overflow") == [1, 128.0], rank
         assert len(results) == len(COMBINATIONS)
         for name, difference in results.items():

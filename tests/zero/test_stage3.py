@@ -4,20 +4,18 @@ module called twice, activation checkpointing) at world sizes 1 and 2; live
 gathered bytes bounded; changing execution order handled; inference works."""
 
 import itertools
-import json
 import os
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import offload
 from offload import _native
 from offload.zero.stage3 import ParamState
 
-from .harness import (batch, config, free_port, init_gloo, make_model, max_difference, train_engine,
-                      train_reference)
+from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
+                      train_engine, train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -55,13 +53,7 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
         with train_engine(make_model(checkpoint=True), STEPS, 2, cfg, rank=rank) as engine:
             results[f"{param_device}-{optimizer_device}"] = max_difference(engine.state_dict(), ref)
     results["init"] = _meta_built_equals_eager(os.path.join(out_dir, f"nvme{rank}"))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    torch.distributed.destroy_process_group()
-    # Skip interpreter teardown: gloo's background threads occasionally abort
-    # the process there ("terminate called without an active exception") after
-    # all work is done. Every engine above is closed; the results are on disk.
-    os._exit(0)
+    finish_rank(out_dir, rank, results)
 
 
 def _meta_built_equals_eager(nvme: str) -> float:
@@ -81,10 +73,7 @@ def _meta_built_equals_eager(nvme: str) -> float:
 
 
 def test_world_size_2_matches_adamw(tmp_path):
-    mp.spawn(_world2_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            results = json.load(f)
+    for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
         assert results.pop("init") == 0.0  # offload.init: the same weights whatever the world size
         assert len(results) == len(TIERS)
         for name, difference in results.items():

@@ -45,4 +45,4 @@ train: install
 # landed fails them.
 test: install
 	OFFLOAD_REQUIRE_NATIVE=1 $(PYTHON) -m pytest
-	OFFLOAD_REQUIRE_NATIVE=1 OFFLOAD_SIMULATED_DEVICE=1 $(PYTHON) -m pytest tests/zero/test_equivalence.py tests/zero/test_stage3.py
+	OFFLOAD_REQUIRE_NATIVE=1 OFFLOAD_SIMULATED_DEVICE=1 $(PYTHON) -m pytest tests/zero/test_equivalence.py tests/zero/test_stage3.py tests/zero/test_overlap.py

@@ -95,6 +95,9 @@ class OffloadOptimizerConfig:
     pipeline_write: bool = _f(True, "nvme: write sub-group i-1 back while i is updated")
     gradients_on_nvme: bool = _f(False, "nvme: keep the fp32 owned gradient in swap files too, not in host memory")
     delayed_update: bool = _f(False, "one-step delayed parameter update (DPU): the CPU step overlaps the next forward/backward")
+    overlap_step: bool = _f(False, "stages 2-3: each sub-group's step runs during the last backward, as soon as its "
+                            "gradient is complete, and is rolled back if clipping or an overflow says otherwise "
+                            "(exact); holds up to buffer_count sub-groups' state copies")
     delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
 
 
@@ -157,6 +160,12 @@ class Config:
         if offload.delayed_update and self.zero_optimization.stage == 3:
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update is for stages 1 and 2; stage 3 "
                               "writes each step's weights straight into their tier")
+        if offload.overlap_step and offload.delayed_update:
+            raise ConfigError("zero_optimization.offload_optimizer.overlap_step and delayed_update cannot be combined: "
+                              "the delayed update already runs the step during the next forward and backward; pick one")
+        if offload.overlap_step and offload.gradients_on_nvme:
+            raise ConfigError("zero_optimization.offload_optimizer.overlap_step with gradients_on_nvme is not "
+                              "implemented yet: the owned gradient's swap files would be read by two threads; drop one")
         if offload.delayed_update and offload.device == "none":
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 
@@ -242,6 +251,9 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
+        ("zero_optimization.offload_optimizer.overlap_step", oo.overlap_step and (oo.device == "none" or z.stage == 1),
+         "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "
+         "after backward)"),
     ]
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                 "min_loss_scale"):

@@ -44,6 +44,7 @@ from offload.zero.layout import FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import is_meta, materialize
 from offload.zero.optimizer import make_optimizer
+from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
 from offload.zero.stage3 import PartitionedWeights
 from offload.zero.transfer import Transfer
@@ -96,7 +97,8 @@ class Engine:
             self.gradient = InMemoryGradient(self.optimizer.groups, self.layout.owned, grad_dtype, where["device"],
                                              pin and offloaded, tier, self.transfer)
         # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
-        self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self.gradient)
+        self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self.gradient,
+                                       lambda lo, hi: self.update.reduced(lo, hi))
         if zero.stage == 3:
             # After the reducer: its gradient hooks must run before the weights' release hooks.
             self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype, where, tier,
@@ -116,6 +118,8 @@ class Engine:
         self.scaler = LossScaler(config.fp16)
         if offload.delayed_update:
             self.update = DelayedUpdate(self.optimizer, self.weights, self.gradient, offload.delayed_update_warmup)
+        elif offload.overlap_step and offloaded and zero.stage > 1:
+            self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count)
         else:
             self.update = ImmediateUpdate(self.optimizer, self.weights, self.gradient)
         self.micro_steps = 0
@@ -170,10 +174,12 @@ class Engine:
         with a ``.loss`` (a Hugging Face ``ModelOutput``), a dict with ``"loss"``,
         or a tuple whose first element is the loss."""
         loss = _loss_of(loss)
-        if (self.micro_steps + 1) % self.accumulation == 0 and not self.update.in_flight:
-            self.optimizer.prefetch()  # the optimizer's first reads overlap this backward
+        last = (self.micro_steps + 1) % self.accumulation == 0
+        if last and not self.update.in_flight:
+            self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
         (loss * (self.scaler.scale / self.accumulation)).backward()
         self.reducer.end_of_backward()
+        self.update.end_backward()
         self.weights.end_backward()
         self.micro_steps += 1
 
@@ -196,6 +202,7 @@ class Engine:
         self.times.reduce = time.perf_counter() - start
         multiplier = self._gradient_multiplier()
         if multiplier is None:  # fp16 overflow on some rank: skip the step
+            self.update.discard(self.global_steps)
             self.gradient.zero()
             self.scaler.update(overflow=True)
             self.skipped_steps += 1
@@ -211,7 +218,7 @@ class Engine:
         clip = self.config.gradient_clipping
         if not (self.scaler.enabled or clip > 0):
             return multiplier
-        squares, finite = self.gradient.stats()
+        squares, finite = self.update.gradient_stats()
         if self.scaler.enabled:
             flag = torch.tensor([0.0 if finite else 1.0], device=self._comm_device)
             if comm.all_reduce(flag, op="max").item():

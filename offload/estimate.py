@@ -37,7 +37,8 @@ swap files of b bytes be in flight (``store.pool_bytes``):
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
                  gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus
-                 pool(12*s, buffer_count)
+                 pool(12*s, buffer_count); with overlap_step, buffer_count
+                 sub-groups' state copies and new weights, (12+d)*s each, host
   weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
@@ -191,6 +192,9 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else 12) * n
     if setup.optimizer == "nvme":
         tiers["host"]["optimizer pool"] = pool_bytes([12 * sub_group], zero.offload_optimizer.buffer_count)
+    if zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1:
+        # Note [overlapped step]: each speculated sub-group's state copy and new weights.
+        tiers["host"]["overlapped step's copies"] = zero.offload_optimizer.buffer_count * (12 + d) * sub_group
 
     offloaded = setup.optimizer != "none"
     pcie = 0.0

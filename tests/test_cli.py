@@ -76,50 +76,55 @@ def test_console_script_is_installed():
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
-def test_bench_step_reports_breakdown_and_efficiencies(tmp_path, capsys):
-    argv = ["bench", "step", "--model", "tiny", "--offload", "nvme", "--dpu", "--steps", "2",
+def test_bench_step_reports_every_setups_critical_path(tmp_path, capsys):
+    argv = ["bench", "step", "--model", "tiny", "--setups", "nvme,nvme+overlap,cpu,cpu+dpu", "--steps", "2",
             "--nvme-path", str(tmp_path), "--sub-group-size", "20000", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
+    setups = result["setups"]
+    assert list(setups) == ["nvme", "nvme+overlap", "cpu", "cpu+dpu"]
     # The optimizer's own traffic per step: every sub-group's state (12 B per owned
     # element, padded to 4 KiB) and its 4 KiB header, read once and written once.
-    owned = FlatLayout.of_model(list(GPT(SIZES["tiny"]).named_parameters()), 0, 1, 50_000_000).owned
+    owned = FlatLayout.of_model(list(GPT(SIZES["tiny"]).named_parameters()), 0, 1, 20_000).owned
     expected = sum(4096 + -(-12 * (hi - lo) // 4096) * 4096 for lo, hi in SubGroups.of(owned, 20_000))
-    plain = result["plain"]
-    assert plain["bytes_read"] == expected  # a write is counted when it completes, maybe in the next step: not exact
-    assert plain["io"]["bytes_read"] == plain["io"]["bytes_written"] == expected  # these steps wait for the last one
-    for mode in ("plain", "dpu"):
-        parts = result[mode]["breakdown"]
-        assert set(parts) == {"forward", "backward", "gradient_copy", "optimizer", "swap_wait", "upload"}
-        assert result[mode]["overlap"] == pytest.approx(sum(parts.values()) / result[mode]["wall"])
-    disk = expected / (result["disk_read_gbps"] * 1e9) + expected / (result["disk_write_gbps"] * 1e9)
+    nvme = setups["nvme"]
+    assert nvme["bytes_read"] == expected  # a write is counted when it completes, maybe in the next step: not exact
+    assert nvme["io"]["bytes_read"] == nvme["io"]["bytes_written"] == expected  # these steps wait for the last one
+    assert setups["cpu"]["bytes_read"] == 0
+    for name, setup in setups.items():
+        critical = setup["critical"]
+        assert setup["hidden"]["optimizer"] == pytest.approx(max(0.0, setup["optimizer_work"] - critical["optimizer"]))
+        assert setup["hidden_fraction"] == pytest.approx(bench_step.hidden_fraction(setup))
+        assert critical["forward"] + critical["backward"] + critical["optimizer"] <= setup["wall_s"] * 1.001, name
+    assert result["ratios"] == pytest.approx({"nvme+overlap / nvme": setups["nvme+overlap"]["wall_s"] / nvme["wall_s"],
+                                              "cpu+dpu / cpu": setups["cpu+dpu"]["wall_s"] / setups["cpu"]["wall_s"]})
+    disk = max(expected / (result["disk_read_gbps"] * 1e9), expected / (result["disk_write_gbps"] * 1e9))
     assert result["disk_seconds"] == pytest.approx(disk)
-    assert result["pipeline_efficiency"] == pytest.approx(disk / plain["io"]["window"])
+    assert result["pipeline_efficiency"] == pytest.approx(disk / nvme["io"]["window"])
     assert result["pipeline_efficiency"] < 1.25  # the disk cannot beat its own speed; the margin is measurement noise
-    assert result["dpu_hidden_fraction"] == pytest.approx(bench_step.hidden_fraction(plain, result["dpu"]))
     assert os.listdir(tmp_path) == []
 
 
-def test_the_hidden_share_of_the_delayed_update_is_not_clamped():
-    plain = {"breakdown": {"optimizer": 0.3, "swap_wait": 0.1}}
-    assert bench_step.hidden_fraction(plain, {"dpu_wait": 0.1}) == pytest.approx(0.75)
-    assert bench_step.hidden_fraction(plain, {"dpu_wait": 0.6}) == pytest.approx(-0.5)  # waiting cost more than it hid
+def test_the_hidden_share_is_not_clamped():
+    assert bench_step.hidden_fraction({"optimizer_work": 0.4, "critical": {"optimizer": 0.1}}) == pytest.approx(0.75)
+    # Waiting for the worker cost more than the plain step would have:
+    assert bench_step.hidden_fraction({"optimizer_work": 0.4, "critical": {"optimizer": 0.6}}) == pytest.approx(-0.5)
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
 def test_bench_step_stage_3_with_weights_on_nvme(tmp_path, capsys):
-    argv = ["bench", "step", "--model", "tiny", "--stage", "3", "--offload", "cpu", "--offload-param", "nvme",
+    argv = ["bench", "step", "--model", "tiny", "--stage", "3", "--setups", "cpu", "--offload-param", "nvme",
             "--steps", "1", "--nvme-path", str(tmp_path), "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["stage"] == 3 and result["offload_param"] == "nvme" and result["plain"]["wall"] > 0
+    assert result["stage"] == 3 and result["offload_param"] == "nvme" and result["setups"]["cpu"]["bytes_read"] > 0
     assert os.listdir(tmp_path) == []
 
 
-def test_bench_step_refuses_dpu_without_offload():
-    proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--offload", "none", "--dpu"],
+def test_bench_step_refuses_an_unknown_setup():
+    proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--setups", "cpu,gpu"],
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "--dpu needs --offload cpu or nvme" in proc.stderr
+    assert proc.returncode == 2 and "--setups: unknown ['gpu']" in proc.stderr
 
 
 @pytest.mark.parametrize("error,status,one_line", [
@@ -215,8 +220,8 @@ def test_progress_bar_measures_the_terminal_it_draws_on(monkeypatch):
      "offload train: error: unrecognized arguments: --stpes 5; did you mean --steps? (see offload train --help)"),
     (["train", "--steps=5", "--seq-lenn=3"],
      "offload train: error: unrecognized arguments: --seq-lenn=3; did you mean --seq-len? (see offload train --help)"),
-    (["bench", "step", "--offlaod", "nvme"],
-     "offload bench step: error: unrecognized arguments: --offlaod nvme; did you mean --offload? "
+    (["bench", "step", "--setpus", "nvme"],
+     "offload bench step: error: unrecognized arguments: --setpus nvme; did you mean --setups? "
      "(see offload bench step --help)"),
     (["trian"], "offload: error: argument COMMAND: invalid choice: 'trian'; did you mean 'train'? (see offload --help)"),
     (["bench", "stpe"],

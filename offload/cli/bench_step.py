@@ -1,23 +1,29 @@
-"""``offload bench step``: where a training step's time goes, on a GPT-style model.
+"""``offload bench step``: where a training step's time goes, setup against setup.
 
-Trains the bundled GPT of the chosen size with ZeRO stage 2 (or 3, with a
-weight tier) and the chosen optimizer tier, and reports the median step's breakdown: forward, backward,
-gradient copy (reduce-scatter into the owned gradient), optimizer (CPU
-Adam), swap wait (waiting for NVMe reads and write-backs), upload (publishing
-the new weights). Two efficiencies:
-  overlap   = sum of the parts / step wall time (1.0: strictly one after the
-              other; above 1: parts ran concurrently, as with --dpu)
-  pipeline  = (nvme only) the time the disk needs for the optimizer's own
-              reads and writes of one step, at the bandwidth measured in the
-              same run with the same aio settings, over the time that I/O
-              took: from the optimizer's first read to its last write-back's
-              completion (measured in extra steps that start no read during
-              backward and wait for the last write-back). It cannot exceed 1
-              but by measurement noise; 1.0 means the disk never idled while
-              the step's I/O was due.
-With --dpu the plain and delayed-update engines run one after the other and
-the share of the plain optimizer time the delay hides is reported, unclamped:
-below 0, waiting for the delayed step cost more than the plain step did.
+Trains the bundled GPT of the chosen size (ZeRO stage 2, or 3 with a weight
+tier) in several setups at once, their steps taken in turn, so every setup
+sees the same machine:
+  none          everything on the accelerator
+  cpu           optimizer state in host memory (ZeRO-Offload)
+  cpu+overlap   the same, each sub-group's step during the last backward (overlap_step)
+  cpu+dpu       the same, with the one-step delayed update
+  nvme          optimizer state in swap files
+  nvme+overlap  the same, with overlap_step
+For each, the median step's phases on the critical path (the main thread
+waits for them: forward, backward, the gradient copy inside backward, the
+optimizer phase ``step()``) and the optimizer work done off it (on a worker,
+during backward or the next forward: hidden), the wall time per step
+(``wall_s``), and the ratios of the overlapped and delayed setups to their
+plain one.
+
+For nvme, the pipeline efficiency: the least time the disk needs for the
+optimizer's own reads and writes of one step (the slower direction's bytes
+over its bandwidth, measured in the same run with the same aio settings:
+reads and writes may run at once), over the time that I/O took, from the
+optimizer's first read to its last write-back's completion (measured in
+extra steps that start no read during backward and wait for the last
+write-back). It cannot exceed 1 but by measurement noise; 1.0 means the
+I/O ran at the disk's speed throughout.
 """
 
 from __future__ import annotations
@@ -39,20 +45,28 @@ from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 from offload.store import AioSettings
 
-PARTS = ("forward", "backward", "gradient_copy", "optimizer", "swap_wait", "upload")
+SETUPS = {  # name -> (optimizer tier, offload_optimizer extras)
+    "none": ("none", {}),
+    "cpu": ("cpu", {}),
+    "cpu+overlap": ("cpu", {"overlap_step": True}),
+    "cpu+dpu": ("cpu", {"delayed_update": True, "delayed_update_warmup": 1}),
+    "nvme": ("nvme", {}),
+    "nvme+overlap": ("nvme", {"overlap_step": True}),
+}
+BUFFERS = 8
+PLAIN = {"cpu+overlap": "cpu", "cpu+dpu": "cpu", "nvme+overlap": "nvme"}
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    p = benchmarks.add_parser("step", help="training step time breakdown and offload efficiencies",
+    p = benchmarks.add_parser("step", help="training step time on the critical path and hidden, setup against setup",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_name, choices=sorted(SIZES), default="25M",
                    help="bundled GPT size, in any case (default 25M)")
-    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="nvme", help="optimizer state tier (default nvme)")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} (default all)")
     p.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (default 2)")
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
                    help="stage 3: weight partition tier (default none)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary directory)")
-    p.add_argument("--dpu", action="store_true", help="also run with the one-step delayed update and compare")
     p.add_argument("--steps", type=positive_int, default=5, help="measured steps after 2 warm-up steps (default 5)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--sub-group-size", type=positive_int, default=2_000_000, help="elements per optimizer sub-group")
@@ -63,143 +77,148 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not _native.status().available:
         raise UsageError(f"the native library is unavailable: {_native.status().reason}")
-    if args.dpu and args.offload == "none":
-        raise UsageError("--dpu needs --offload cpu or nvme: the delayed update overlaps the CPU step")
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown or not setups:
+        raise UsageError(f"--setups: unknown {unknown or '(none given)'}; choose among {', '.join(SETUPS)}")
     if args.offload_param != "none" and args.stage != 3:
         raise UsageError("--offload-param needs --stage 3 (only stage 3 partitions the weights)")
     with tempfile.TemporaryDirectory(prefix="offload-bench-step-", dir=args.nvme_path) as nvme:
-        result = {"model": args.model, "params": SIZES[args.model].params(), "offload": args.offload,
-                  "stage": args.stage, "offload_param": args.offload_param}
-        result["plain"] = measure(args, nvme, delayed=False)
-        if args.offload == "nvme":
-            state = 12 * SIZES[args.model].params()
-            disk = bench_swap.measure(nvme, min(state, 1 << 30), _aio())
+        result = {"model": args.model, "params": SIZES[args.model].params(), "stage": args.stage,
+                  "offload_param": args.offload_param, "setups": measure(args, setups, nvme)}
+        if "nvme" in result["setups"]:
+            disk = bench_swap.measure(nvme, min(12 * result["params"], 1 << 30), _aio())
+            io = result["setups"]["nvme"]["io"]
             result["disk_read_gbps"], result["disk_write_gbps"] = disk["read_gbps"], disk["write_gbps"]
-            io = result["plain"]["io"]
-            result["disk_seconds"] = (io["bytes_read"] / (disk["read_gbps"] * 1e9)
-                                      + io["bytes_written"] / (disk["write_gbps"] * 1e9))
+            # The slower direction bounds the time: reads and writes may run at once.
+            result["disk_seconds"] = max(io["bytes_read"] / (disk["read_gbps"] * 1e9),
+                                         io["bytes_written"] / (disk["write_gbps"] * 1e9))
             result["pipeline_efficiency"] = result["disk_seconds"] / io["window"]
-        if args.dpu:
-            result["dpu"] = measure(args, nvme, delayed=True)
-            result["dpu_hidden_fraction"] = hidden_fraction(result["plain"], result["dpu"])
-            result["dpu_speedup"] = result["plain"]["wall"] / result["dpu"]["wall"]
+        result["ratios"] = {f"{name} / {plain}": result["setups"][name]["wall_s"] / result["setups"][plain]["wall_s"]
+                            for name, plain in PLAIN.items() if name in result["setups"] and plain in result["setups"]}
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
 
-def hidden_fraction(plain: dict, delayed: dict) -> float:
-    """The share of the plain step's optimizer time (Adam and swap waits) the
-    delayed update no longer waits for; unclamped: below 0 it waited longer."""
-    spent = plain["breakdown"]["optimizer"] + plain["breakdown"]["swap_wait"]
-    return 1 - delayed["dpu_wait"] / spent
+def hidden_fraction(setup: dict) -> float:
+    """The share of a setup's optimizer work done off the critical path;
+    unclamped: below 0, waiting for it cost more than it hid."""
+    work = setup["optimizer_work"]
+    return 1 - setup["critical"]["optimizer"] / work if work else 0.0
 
 
 def _aio() -> AioSettings:
     return AioSettings(block_size=8 << 20, queue_depth=32, thread_count=1)
 
 
-def _config(args: argparse.Namespace, nvme: str, delayed: bool) -> dict:
+def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
+    device, extras = SETUPS[setup]
     a = _aio()
-    offload_optimizer = {"device": args.offload}
-    if args.offload == "nvme":
-        offload_optimizer.update(nvme_path=nvme, buffer_count=4)
-    if delayed:
-        offload_optimizer.update(delayed_update=True, delayed_update_warmup=1)
+    offload_optimizer = {"device": device, **extras}
+    if device == "nvme":
+        offload_optimizer.update(nvme_path=nvme, buffer_count=BUFFERS)
     zero = {"stage": args.stage, "sub_group_size": args.sub_group_size, "offload_optimizer": offload_optimizer}
     if args.stage == 3:
         zero["offload_param"] = {"device": args.offload_param}
         if args.offload_param == "nvme":
             zero["offload_param"].update(nvme_path=nvme, max_in_cpu=0)
     else:
-        zero["reduce_bucket_size"] = 50_000_000
+        zero["reduce_bucket_size"] = args.sub_group_size  # buckets reduce as backward goes, so sub-groups complete during it
     cfg = {"zero_optimization": zero}
-    if "nvme" in (args.offload, args.offload_param):
+    if "nvme" in (device, args.offload_param):
         cfg["aio"] = {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count}
     return cfg
 
 
-def measure(args: argparse.Namespace, nvme: str, delayed: bool) -> dict:
-    torch.manual_seed(0)
+def _one_step(engine, tokens: torch.Tensor) -> dict:
+    copy_before = engine.reducer.seconds
+    before = engine.disk_traffic()
+    t0 = time.perf_counter()
+    loss = engine(tokens)
+    t1 = time.perf_counter()
+    engine.backward(loss)
+    t2 = time.perf_counter()
+    engine.step()
+    t3 = time.perf_counter()
+    after = engine.disk_traffic()
+    step_s = t3 - t2
+    work = engine.update.optimizer_work(engine.times, step_s)
+    return {"wall": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "gradient_copy": engine.reducer.seconds - copy_before,
+            "optimizer": step_s, "optimizer_work": work,
+            "bytes_read": after.bytes_read - before.bytes_read, "bytes_written": after.bytes_written - before.bytes_written}
+
+
+def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
     c = SIZES[args.model]
-    model = GPT(c)
-    tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1))
-    rows, windows = [], []
-    window_steps = args.steps if args.offload == "nvme" and not delayed else 0
-    bar = Progress(args.steps + 2 + window_steps, f"bench step {args.offload}{' dpu' if delayed else ''}",
-                   enabled=not args.json)
-    with offload.initialize(model, _config(args, nvme, delayed)) as engine:
+    tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1), generator=torch.Generator().manual_seed(0))
+    engines = {}
+    for setup in setups:
+        torch.manual_seed(0)
+        engines[setup] = offload.initialize(GPT(c), _config(args, setup, nvme))
+    rows: dict[str, list[dict]] = {setup: [] for setup in setups}
+    window_steps = args.steps if "nvme" in engines else 0
+    bar = Progress((args.steps + 2) * len(setups) + window_steps, "bench step", enabled=not args.json)
+    try:
         for i in range(args.steps + 2):
-            io_before = engine.disk_traffic()
-            copy_before = engine.reducer.seconds
-            t0 = time.perf_counter()
-            loss = engine(tokens)
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            engine.step()
-            t3 = time.perf_counter()
-            copy = engine.reducer.seconds - copy_before
-            detail = engine.times.optimizer_detail
-            io = engine.disk_traffic()
-            row = {
-                "forward": t1 - t0,
-                "backward": t2 - t1 - copy + engine.times.reduce,  # the reducer runs inside backward
-                "gradient_copy": copy,
-                "optimizer": detail.get("adam", 0.0),
-                "swap_wait": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
-                "upload": engine.times.publish + detail.get("handover", 0.0),
-                "wall": t3 - t0,
-                "optimizer_phase": engine.times.optimizer,
-                "dpu_wait": engine.times.dpu_wait,
-                "bytes_read": io.bytes_read - io_before.bytes_read,
-                "bytes_written": io.bytes_written - io_before.bytes_written,
-            }
-            if i >= 2:
-                rows.append(row)
-            bar.advance(f"{row['wall']:.2f}s/step")
-        # The optimizer's own I/O, from its first read to its last write-back: in
-        # these steps its first reads are not started during backward, so every
-        # byte moves inside the window timed here.
-        engine.optimizer.prefetch = lambda: None
-        for _ in range(window_steps):
-            engine.synchronize()
-            engine.backward(engine(tokens))
-            before = engine.optimizer.traffic()
-            start = time.perf_counter()
-            engine.step()
-            engine.synchronize()  # waits for the last write-backs
-            after = engine.optimizer.traffic()
-            windows.append({"window": time.perf_counter() - start, "bytes_read": after.bytes_read - before.bytes_read,
-                            "bytes_written": after.bytes_written - before.bytes_written})
-            bar.advance(f"{windows[-1]['window']:.2f}s I/O window")
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    breakdown = {k: med[k] for k in PARTS}
-    result = {"breakdown": breakdown, "wall": med["wall"], "overlap": sum(breakdown.values()) / med["wall"],
-              "optimizer_phase": med["optimizer_phase"], "dpu_wait": med["dpu_wait"],
-              "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"]}
+            for setup, engine in engines.items():  # in turn: every setup sees the same machine
+                row = _one_step(engine, tokens)
+                if i >= 2:
+                    rows[setup].append(row)
+                bar.advance(f"{setup} {row['wall']:.2f}s")
+        windows = [_io_window(engines["nvme"], tokens) for _ in range(window_steps)]
+        for _ in windows:
+            bar.advance("nvme I/O window")
+    finally:
+        for engine in engines.values():
+            engine.close(restore_model=False)
+    result = {}
+    for setup, got in rows.items():
+        med = {k: statistics.median(r[k] for r in got) for k in got[0]}
+        critical = {k: med[k] for k in ("forward", "backward", "gradient_copy", "optimizer")}
+        result[setup] = {"wall_s": med["wall"], "critical": critical, "optimizer_work": med["optimizer_work"],
+                         "hidden": {"optimizer": max(0.0, med["optimizer_work"] - med["optimizer"])},
+                         "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"]}
+        result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
     if windows:
-        result["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
+        result["nvme"]["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
     return result
+
+
+def _io_window(engine, tokens: torch.Tensor) -> dict:
+    """One step of the optimizer's own I/O, from its first read to its last
+    write-back: no read starts during backward, and the step waits for the last."""
+    engine.synchronize()
+    prefetch, engine.optimizer.prefetch = engine.optimizer.prefetch, lambda: None
+    try:
+        engine.backward(engine(tokens))
+        before = engine.optimizer.traffic()
+        start = time.perf_counter()
+        engine.step()
+        engine.synchronize()
+        after = engine.optimizer.traffic()
+    finally:
+        engine.optimizer.prefetch = prefetch
+    return {"window": time.perf_counter() - start, "bytes_read": after.bytes_read - before.bytes_read,
+            "bytes_written": after.bytes_written - before.bytes_written}
 
 
 def report(r: dict) -> str:
     weights = f", weights on {r['offload_param']}" if r["stage"] == 3 else ""
-    lines = [f"offload bench step: GPT {r['model']} ({r['params'] / 1e6:.1f}M parameters), ZeRO stage {r['stage']}, "
-             f"optimizer on {r['offload']}{weights}", ""]
-    modes = [("plain", r["plain"])] + ([("dpu", r["dpu"])] if "dpu" in r else [])
-    lines.append(f"{'seconds per step':18}" + "".join(f"{m:>10}" for m, _ in modes))
-    for part in PARTS:
-        lines.append(f"{part:18}" + "".join(f"{d['breakdown'][part]:>10.3f}" for _, d in modes))
-    lines.append(f"{'wall':18}" + "".join(f"{d['wall']:>10.3f}" for _, d in modes))
-    lines.append(f"{'overlap':18}" + "".join(f"{d['overlap']:>10.2f}" for _, d in modes))
+    s = r["setups"]
+    lines = [f"offload bench step: GPT {r['model']} ({r['params'] / 1e6:.1f}M parameters), ZeRO stage {r['stage']}"
+             f"{weights}; median step, setups taken in turn", "",
+             f"{'seconds':24}" + "".join(f"{name:>14}" for name in s)]
+    for part in ("forward", "backward", "gradient_copy", "optimizer"):
+        label = f"{part} (critical path)" if part != "gradient_copy" else "  of which gradient copy"
+        lines.append(f"{label:24}" + "".join(f"{v['critical'][part]:>14.3f}" for v in s.values()))
+    lines.append(f"{'optimizer (hidden)':24}" + "".join(f"{v['hidden']['optimizer']:>14.3f}" for v in s.values()))
+    lines.append(f"{'wall':24}" + "".join(f"{v['wall_s']:>14.3f}" for v in s.values()))
+    if r["ratios"]:
+        lines += [""] + [f"{name}: {ratio:.2f}x the step time" for name, ratio in r["ratios"].items()]
     if "pipeline_efficiency" in r:
-        p, io = r["plain"], r["plain"]["io"]
-        lines += ["", f"nvme: {p['bytes_read'] / 1e9:.2f} GB read + {p['bytes_written'] / 1e9:.2f} GB written per step; "
-                  f"disk measured now: read {r['disk_read_gbps']:.2f} GB/s, write {r['disk_write_gbps']:.2f} GB/s",
-                  f"pipeline efficiency: {r['pipeline_efficiency']:.2f}: the optimizer's {io['bytes_read'] / 1e9:.2f} GB "
-                  f"read and {io['bytes_written'] / 1e9:.2f} GB written need {r['disk_seconds']:.3f} s of disk, and took "
-                  f"{io['window']:.3f} s from the first read to the last write-back"]
-    if "dpu" in r:
-        lines += ["", f"delayed update: hides {r['dpu_hidden_fraction']:.0%} of the optimizer time; "
-                  f"step {r['dpu_speedup']:.2f}x the plain one (compute and CPU Adam share this machine's cores)"]
+        io = s["nvme"]["io"]
+        lines += ["", f"nvme: the optimizer's {io['bytes_read'] / 1e9:.2f} GB read and {io['bytes_written'] / 1e9:.2f} GB "
+                  f"written per step need {r['disk_seconds']:.3f} s of disk (read {r['disk_read_gbps']:.2f}, write "
+                  f"{r['disk_write_gbps']:.2f} GB/s, measured now) and took {io['window']:.3f} s from the first read to "
+                  f"the last write-back: pipeline efficiency {r['pipeline_efficiency']:.2f}"]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -24,9 +25,10 @@ from offload.zero.owned_grad import OwnedGradient
 
 class GradientReducer:
     def __init__(self, layout: FlatLayout, stage: int, device: torch.device, dtype: torch.dtype,
-                 gradient: OwnedGradient) -> None:
+                 gradient: OwnedGradient, on_reduced: Callable[[int, int], None]) -> None:
+        """``on_reduced(lo, hi)``: owned range [lo, hi) got its part (Note [overlapped step])."""
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
-        self.gradient = gradient
+        self.gradient, self.on_reduced = gradient, on_reduced
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -67,6 +69,7 @@ class GradientReducer:
         part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
         comm.reduce_scatter_sum(part, full)
         self.gradient.add(bucket.owned_offset, bucket.owned_offset + bucket.part, part)
+        self.on_reduced(bucket.owned_offset, bucket.owned_offset + bucket.part)
         self.seconds += time.perf_counter() - start
         if self._flat is None:
             self.bucket_bytes -= full.numel() * full.element_size()

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from offload.config import Config
+from offload.errors import PoolExhausted
 from offload.optim.adam import adam_step, default_threads
 from offload.optim.hyper import AdamHyper
 from offload.report import DiskTraffic, MemoryReport
-from offload.store import TieredStore, pool_bytes
+from offload.store import State, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
 from offload.zero.owned_grad import OwnedGradient
 from offload.zero.transfer import Transfer
@@ -219,24 +220,36 @@ class StoreOptimizer(ShardOptimizer):
             self.store.release([self._key(self._open_group)], dirty=True)
             self._open_group = None
 
-    def prefetch(self) -> None:
-        """Start reading the first sub-groups of the next step (called during backward,
-        so the optimizer phase does not open with a wait on the disk)."""
+    def prefetch(self, groups: list[int] | None = None) -> None:
+        """Start reading these sub-groups (default: the first of the next step),
+        called during backward, so the optimizer phase does not open with a
+        wait on the disk."""
         if self.tier == "nvme" and self.pipeline_read:
-            self.store.prefetch(self._key(i) for i in range(min(len(self.groups), self.read_ahead)))
+            first = range(min(len(self.groups), self.read_ahead)) if groups is None else groups
+            self.store.prefetch(self._key(i) for i in first)
 
-    def step(self, grad: OwnedGradient, grad_scale: float, weights: Weights, hyper: AdamHyper | None = None) -> None:
+    def step(self, grad: OwnedGradient, grad_scale: float, weights: Weights, hyper: AdamHyper | None = None,
+             stepped: dict[int, torch.Tensor] | None = None) -> None:
         """One Adam step of the whole shard from ``grad`` times ``grad_scale``,
         with ``hyper`` (default: the current ones; a step on another thread is
-        given those of the moment it was started)."""
+        given those of the moment it was started). ``stepped``: sub-groups
+        already updated for this step (``speculate``), with their new weights,
+        which are only handed over."""
         self.step_count += 1
         self.times = StepTimes()
         hyper = hyper or self.hyper
+        stepped = stepped or {}
         low_precision = weights.dtype != torch.float32
-        count = len(self.groups)
-        for i, (lo, hi) in enumerate(self.groups):
+        # Sub-groups already being read first: their reads hold pool buffers the others need.
+        todo = sorted((i for i in range(len(self.groups)) if i not in stepped),
+                      key=lambda i: (self.store.state(self._key(i)) not in (State.READING, State.RESIDENT), i))
+        for i, new in sorted(stepped.items()):
+            lo, hi = self.groups[i]
+            self._hand_over(weights, lo, hi, lambda target: target.copy_(new))
+        for n, i in enumerate(todo):
+            lo, hi = self.groups[i]
             if self.pipeline_read:
-                ahead = range(i + 1, min(count, i + 1 + self.read_ahead))
+                ahead = todo[n + 1 : n + 1 + self.read_ahead]
                 self.store.prefetch(self._key(j) for j in ahead)
                 grad.prefetch(ahead)
             start = time.perf_counter()
@@ -261,6 +274,29 @@ class StoreOptimizer(ShardOptimizer):
                 self.times.write_back_wait += time.perf_counter() - start
         # The last write-backs finish while the next forward runs; a read of
         # a sub-group still being written waits for it (the store's states).
+
+    def speculate(self, i: int, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, backup: torch.Tensor,
+                  weights: torch.Tensor) -> bool:
+        """Sub-group i's Adam step for the step about to be taken (Note [overlapped
+        step]), its state first saved into ``backup`` ([3, n] fp32), its new
+        weights into ``weights`` (the compute dtype). False, with nothing done,
+        when reads ahead hold every pool buffer: the sub-group waits for step()."""
+        try:
+            (state,) = self.store.get([self._key(i)])
+        except PoolExhausted:
+            return False
+        backup.copy_(state)
+        low_precision = weights.dtype != torch.float32
+        adam_step(state[0], grad, state[1], state[2], hyper, self.step_count + 1, grad_scale=grad_scale,
+                  out=weights if low_precision else None, threads=self.threads)
+        if not low_precision:
+            weights.copy_(state[0])
+        self.store.release([self._key(i)], dirty=True)
+        return True
+
+    def restore(self, i: int, backup: torch.Tensor) -> None:
+        """Sub-group i's state as ``speculate`` found it."""
+        self.store.overwrite(self._key(i), backup)
 
     def flush(self) -> None:
         self.store.flush()

@@ -107,15 +107,26 @@ class InMemoryGradient:
         else:
             try:
                 pending = self.transfer.to_host(values)
-            except PoolExhausted:  # staging buffers are all in flight: let some land
+            except PoolExhausted:  # staging buffers are all in flight: land ours, or wait for a worker's
                 self._land(block=True)
-                pending = self.transfer.to_host(values)
+                pending = self.transfer.to_host(values, wait_for_room=True)
         self._landing.append((lo, hi, pending, first))
 
     def _land(self, block: bool) -> None:
         """Add in the parts whose copies are done (all of them, if ``block``), in order."""
         while self._landing and (block or self._landing[0][2].done()):
-            lo, hi, pending, first = self._landing.pop(0)
+            self.apply_landing([self._landing.pop(0)])
+
+    def take_landing(self, lo: int, hi: int) -> list:
+        """The parts still on their way that meet [lo, hi), in order, taken over
+        by the caller (Note [overlapped step]: a worker lands them)."""
+        taken = [entry for entry in self._landing if entry[0] < hi and lo < entry[1]]
+        self._landing = [entry for entry in self._landing if not (entry[0] < hi and lo < entry[1])]
+        return taken
+
+    def apply_landing(self, entries: list) -> None:
+        """Wait for these parts and add them in, in order."""
+        for lo, hi, pending, first in entries:
             landed = pending.wait()
             if not first:
                 self.tensor[lo:hi].add_(landed)
@@ -124,7 +135,7 @@ class InMemoryGradient:
     def end_of_backward(self) -> None:
         self._land(block=False)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Every part landed, and the ranges no part reached zeroed, so reads see
         this window's gradient."""
         self._land(block=True)
@@ -137,7 +148,7 @@ class InMemoryGradient:
 
     def stats(self) -> tuple[float, bool]:
         """Note [gradient statistics], sub-group by sub-group, added in order."""
-        self._settle()
+        self.settle()
         total = 0.0
         for lo, hi in self.groups:
             total += sum_squares(self.tensor[lo:hi]) if self.device.type == "cpu" else \
@@ -148,7 +159,7 @@ class InMemoryGradient:
         pass
 
     def read(self, i: int) -> torch.Tensor:
-        self._settle()
+        self.settle()
         lo, hi = self.groups[i]
         return self.tensor[lo:hi]
 

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from offload.store import PinnedPool
+from offload.store import PinnedPool, PoolExhausted
 
 SIMULATE_ENV = "OFFLOAD_SIMULATED_DEVICE"
 BANDWIDTH_ENV = "OFFLOAD_SIM_GBPS"
@@ -58,7 +58,7 @@ class Transfer:
 
     def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
         self.device = device
-        self.pool = pool
+        self.pool = _SharedPool(pool) if pool is not None else None
         if device.type == "cuda":
             self._copier: _Copier = _CudaCopier(device)
         elif simulated():
@@ -71,14 +71,16 @@ class Transfer:
         """Copies may land after they return: the host and the accelerator are apart."""
         return not isinstance(self._copier, _ImmediateCopier)
 
-    def to_host(self, src: torch.Tensor, into: torch.Tensor | None = None) -> Pending:
+    def to_host(self, src: torch.Tensor, into: torch.Tensor | None = None, wait_for_room: bool = False) -> Pending:
         """``src`` (on the accelerator) copied into ``into`` (host, same size), or
-        into a pinned staging buffer from the pool (``release()`` gives it back)."""
+        into a pinned staging buffer from the pool (``release()`` gives it back).
+        A full pool raises PoolExhausted, or, with ``wait_for_room``, waits for
+        another thread to give a buffer back."""
         buffer = None
         if into is None:
             if not self.asynchronous:
                 return _Done(src)  # the accelerator's memory is host memory: read it where it is
-            buffer = self.pool.acquire(src.numel() * src.element_size())
+            buffer = self.pool.acquire(src.numel() * src.element_size(), wait_for_room)
             into = buffer.data[: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
         return self._copier.copy(into, src, "d2h", self.pool, buffer)
 
@@ -98,6 +100,30 @@ class Transfer:
 
     def close(self) -> None:
         self._copier.close()
+
+
+class _SharedPool:
+    """The staging pool, used from two threads (a worker may land and give back
+    what backward copied out): one lock, and a wait for room."""
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self._pool = pool
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int, wait_for_room: bool):
+        with self._changed:
+            while True:
+                try:
+                    return self._pool.acquire(nbytes)
+                except PoolExhausted:
+                    if not wait_for_room or self._pool.in_use_bytes == 0:
+                        raise
+                    self._changed.wait()
+
+    def release(self, buffer) -> None:
+        with self._changed:
+            self._pool.release(buffer)
+            self._changed.notify_all()
 
 
 def simulated() -> bool:

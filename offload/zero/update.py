@@ -33,7 +33,37 @@ from offload.zero.owned_grad import InMemoryGradient, OwnedGradient
 from offload.zero.weights import Weights
 
 
-class ImmediateUpdate:
+class _AfterBackward:
+    """What an update that waits for backward to end does during it: nothing.
+    (The overlapped step, zero/overlap.py, works then.)"""
+
+    gradient: OwnedGradient
+
+    def begin_backward(self, guess: float, step: int) -> None:
+        """The backward that ends a window starts: the optimizer's first reads
+        can start (they overlap it)."""
+        self.optimizer.prefetch()
+
+    def reduced(self, lo: int, hi: int) -> None:
+        """A bucket's part [lo, hi) was added into the owned gradient."""
+
+    def end_backward(self) -> None:
+        pass
+
+    def gradient_stats(self) -> tuple[float, bool]:
+        """(sum of squares, all finite) of the window's owned gradient."""
+        return self.gradient.stats()
+
+    def discard(self, step: int) -> None:
+        """The step is skipped (fp16 overflow)."""
+
+    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
+        """Seconds of optimizer work the last step cost, wherever it ran; the
+        main thread spent ``step_seconds`` in ``step()`` (for offload bench step)."""
+        return step_seconds
+
+
+class ImmediateUpdate(_AfterBackward):
     def __init__(self, optimizer: ShardOptimizer, weights: Weights, gradient: OwnedGradient) -> None:
         self.optimizer, self.weights, self.gradient = optimizer, weights, gradient
 
@@ -63,7 +93,7 @@ class ImmediateUpdate:
         pass
 
 
-class DelayedUpdate:
+class DelayedUpdate(_AfterBackward):
     """Note [delayed parameter update]."""
 
     def __init__(self, optimizer: ShardOptimizer, weights: Weights, gradient: InMemoryGradient, warmup: int) -> None:
@@ -114,6 +144,9 @@ class DelayedUpdate:
             start = time.perf_counter()
             self.weights.end_publish()
             times.publish = time.perf_counter() - start
+
+    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
+        return times.optimizer  # the worker's step, finished during this one
 
     def close(self) -> None:
         self._worker.shutdown()

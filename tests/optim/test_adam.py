@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from offload import _native
-from offload.optim import AdamHyper, adam_step
+from offload.optim import AdamHyper, adam_step, grad_stats
 from offload.optim import adam as adam_module
-from offload.optim import grad_stats
 from offload.optim.adam_fallback import adam_step_torch
 
 SIZES = [1, 7, 31, 1000003]  # none a multiple of the SIMD width but 1

@@ -1,0 +1,222 @@
+"""The optimizer step overlapping the last backward, exactly.
+
+Note [overlapped step]
+With ``offload_optimizer.overlap_step``, during the backward that ends an
+accumulation window, each sub-group of the owned shard whose gradient is
+complete (every bucket meeting it reduced in this backward) goes to a worker
+thread, which lands its gradient parts, sums their squares (Note [gradient
+statistics]), saves its optimizer state and runs its Adam step, and keeps its
+new weights aside: backward goes on meanwhile. Sub-groups at the end of the
+owned shard complete first, since backward runs from the last layers. The
+step is speculative: it assumes the multiplier the plain step uses when no
+clipping binds and no fp16 overflow occurs, 1 / (ranks x loss scale), and the
+learning rate of the moment backward began. At ``step()`` the norm is known:
+  - if it matches (no overflow, clipping does not bind, the same learning
+    rate), the speculated sub-groups are kept (their weights handed over) and
+    the others stepped as usual: bitwise the plain step;
+  - otherwise every speculated sub-group gets its saved state back, and the
+    plain step runs (or, on overflow, is skipped): a rollback.
+At most ``buffer_count`` sub-groups are speculated per step (each holds a
+copy of its state, 12 bytes per element, and its new weights); the rest wait
+for ``step()``. When most recent steps rolled back (clipping binds, as early
+in training), speculation stops, once said, and is tried again every
+``RETRY_EVERY`` steps.
+
+Threads: during backward the worker alone uses the optimizer and its store;
+the main thread hands it gradient parts and waits for it in ``step()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+import warnings
+from collections import deque
+
+import torch
+
+from offload.optim.grad_stats import sum_squares
+from offload.report import PhaseTimes
+from offload.zero.layout import FlatLayout
+from offload.zero.optimizer import StoreOptimizer
+from offload.zero.owned_grad import InMemoryGradient
+from offload.zero.weights import Weights
+
+WINDOW, RETRY_EVERY = 10, 20  # steps looked back on; steps between tries once speculation stopped
+
+
+class OverlappedStep:
+    """Note [overlapped step]."""
+
+    def __init__(self, optimizer: StoreOptimizer, weights: Weights, gradient: InMemoryGradient, layout: FlatLayout,
+                 budget: int) -> None:
+        self.optimizer, self.weights, self.gradient, self.layout = optimizer, weights, gradient, layout
+        self.budget = budget
+        groups = optimizer.groups
+        # Sub-group i is complete once every bucket meeting it was reduced in the last backward.
+        self._meets = {i: sum(1 for _ in layout.buckets_meeting(lo, hi)) for i, (lo, hi) in enumerate(groups)}
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-overlap")
+        self._tasks: list[concurrent.futures.Future] = []
+        self._active = False
+        self._left: dict[int, int] = {}
+        self._sums: dict[int, float] = {}
+        self._stepped: dict[int, torch.Tensor] = {}  # sub-group -> its new weights
+        self._backups: dict[int, torch.Tensor] = {}  # sub-group -> its state before the step
+        self._bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers those views live in
+        self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # such buffers, free
+        self._guess, self._hyper = 0.0, optimizer.hyper
+        self._recent: deque[bool] = deque(maxlen=WINDOW)  # did the step roll back
+        self._paused_at: int | None = None  # the step speculation stopped at
+        self.rollbacks = self.speculated_steps = self.kept = 0  # kept: sub-groups whose speculated step stood
+        self.worker_seconds = 0.0  # the last step's work on the worker (for offload bench step)
+        self.join_seconds = 0.0  # how long step() waited for it
+        self._told = False
+
+    in_flight = False  # between steps nothing runs
+
+    # -- during the last backward ------------------------------------------------------
+
+    def begin_backward(self, guess: float, step: int) -> None:
+        """The backward that ends a window starts; ``guess`` is the multiplier
+        the plain step takes when nothing binds."""
+        self._active = True
+        self._guess, self._hyper = guess, self.optimizer.hyper
+        self._left = dict(self._meets)
+        self._sums = {}
+        self.worker_seconds = self.join_seconds = 0.0
+        self._speculating = self._paused_at is None or (step - self._paused_at) % RETRY_EVERY == 0
+        self._next = len(self.optimizer.groups) - 1  # backward completes sub-groups from the last one down
+        self._read_next()
+
+    def reduced(self, lo: int, hi: int) -> None:
+        """A bucket's part [lo, hi) was added into the owned gradient (main thread)."""
+        if not self._active:
+            return
+        for i, _, _, _ in sorted(self.optimizer.groups.meeting(lo, hi), reverse=True):  # backward's order: downwards
+            self._left[i] -= 1
+            if self._left[i] == 0:
+                g_lo, g_hi = self.optimizer.groups[i]
+                landing = self.gradient.take_landing(g_lo, g_hi)
+                speculate = self._speculating and len(self._tasks) < self.budget
+                self._tasks.append(self._worker.submit(self._complete, i, landing, speculate))
+
+    def _complete(self, i: int, landing: list, speculate: bool) -> None:
+        """Worker: sub-group i's gradient lands, its squares are summed, and maybe its step taken."""
+        start = time.perf_counter()
+        try:
+            self._take(i, landing, speculate)
+        finally:
+            self.worker_seconds += time.perf_counter() - start
+
+    def _read_next(self) -> None:
+        """Start reading the sub-groups likely to complete next (the worker's, or
+        before it runs, this thread's: the store has one user at a time)."""
+        if self._speculating:
+            self.optimizer.prefetch(list(range(self._next, max(-1, self._next - self.optimizer.read_ahead), -1)))
+
+    def _take(self, i: int, landing: list, speculate: bool) -> None:
+        self._next = min(self._next, i - 1)
+        if speculate:
+            self._read_next()
+        self.gradient.apply_landing(landing)
+        lo, hi = self.optimizer.groups[i]
+        grad = self.gradient.tensor[lo:hi]
+        self._sums[i] = sum_squares(grad)
+        if speculate:
+            largest, n = self.optimizer.groups.largest, hi - lo
+            bases = self._spare.pop() if self._spare else (torch.empty(3 * largest),
+                                                           torch.empty(largest, dtype=self.weights.dtype))
+            state, weights = bases[0][: 3 * n].view(3, n), bases[1][:n]
+            if not self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights):
+                self._spare.append(bases)
+                return
+            self._backups[i], self._stepped[i], self._bases[i] = state, weights, bases
+
+    def end_backward(self) -> None:
+        self._active = False
+
+    # -- at the boundary ---------------------------------------------------------------
+
+    def gradient_stats(self) -> tuple[float, bool]:
+        """Note [gradient statistics], as ``InMemoryGradient.stats`` adds them: the
+        worker's sums for the sub-groups it completed, this thread's for the rest."""
+        self._join()
+        self.gradient.settle()
+        total = 0.0
+        for i, (lo, hi) in enumerate(self.optimizer.groups):
+            total += self._sums[i] if i in self._sums else sum_squares(self.gradient.tensor[lo:hi])
+        return total, math.isfinite(total)
+
+    def _join(self) -> None:
+        start = time.perf_counter()
+        for task in self._tasks:
+            task.result()  # re-raises the worker's error here
+        self._tasks = []
+        self.join_seconds += time.perf_counter() - start
+
+    def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
+        """Keep the speculated sub-groups if the plain step would have computed
+        them alike, else roll them back; then step the rest."""
+        self._join()
+        kept = self._stepped if multiplier == self._guess and self.optimizer.hyper == self._hyper else {}
+        if self._stepped and not kept:
+            self._roll_back()
+        self.kept += len(kept)
+        self._note(rolled_back=bool(self._stepped) and not kept, step=step)
+        start = time.perf_counter()
+        self.weights.begin_publish()
+        self.optimizer.step(self.gradient, multiplier, self.weights, stepped=kept)
+        times.optimizer = time.perf_counter() - start
+        times.optimizer_detail = dict(vars(self.optimizer.times))
+        start = time.perf_counter()
+        self.weights.end_publish()
+        times.publish = time.perf_counter() - start
+        self._recycle()
+        self.gradient.zero()
+
+    def discard(self, step: int) -> None:
+        """The step is skipped (fp16 overflow): every speculated sub-group rolls back."""
+        self._join()
+        if self._stepped:
+            self._roll_back()
+            self._note(rolled_back=True, step=step)
+        self._recycle()
+
+    def _roll_back(self) -> None:
+        for i, backup in self._backups.items():
+            self.optimizer.restore(i, backup)
+        self.optimizer.flush()  # the restored state is on disk before any reader
+        self.rollbacks += 1
+
+    def _note(self, rolled_back: bool, step: int) -> None:
+        if not self._speculating:
+            return
+        self.speculated_steps += 1
+        self._recent.append(rolled_back)
+        if self._paused_at is not None and not rolled_back:
+            self._paused_at = None  # a retry that held: speculate again
+        elif len(self._recent) == WINDOW and sum(self._recent) > WINDOW // 2:
+            self._paused_at = step
+            self._recent.clear()
+            if not self._told:
+                self._told = True
+                warnings.warn(f"offload: overlap_step rolled back most of the last {WINDOW} steps (gradient clipping "
+                              f"binds, or fp16 overflows); the step now runs after backward, as without overlap, and "
+                              f"speculation is tried again every {RETRY_EVERY} steps", UserWarning, stacklevel=4)
+
+    def _recycle(self) -> None:
+        self._spare.extend(self._bases.values())
+        self._backups, self._stepped, self._bases = {}, {}, {}
+
+    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
+        return self.worker_seconds + step_seconds - self.join_seconds
+
+    def wait(self, times: PhaseTimes) -> None:
+        self._join()
+
+    def finish(self, times: PhaseTimes) -> None:
+        self._join()
+
+    def close(self) -> None:
+        self._worker.shutdown()

@@ -1,0 +1,125 @@
+"""The overlapped step (Note [overlapped step]): sub-groups stepped during the
+last backward, kept when the plain step would have computed them alike and
+rolled back otherwise, so the training is bitwise the plain one in every case:
+clipping that binds or not, accumulation, fp16 overflow, a learning rate set
+after backward, stages 2 and 3, cpu and nvme, world sizes 1 and 2."""
+
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.zero import overlap
+
+from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
+                      train_reference)
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+STEPS = 6
+CASES = list(itertools.product([2, 3], ["cpu", "nvme"], [1, 2], [0.5, 1e6]))  # stage, tier, accumulation, clip
+
+
+def _config(tmp_path, stage, device, accumulation, clip, overlap_step, **extra):
+    cfg = config(stage, device, accumulation, str(tmp_path), param_device="cpu" if stage == 3 else None,
+                 offload_optimizer={"overlap_step": overlap_step, "buffer_count": 6}, **extra)
+    cfg["gradient_clipping"] = clip
+    cfg["zero_optimization"]["sub_group_size"] = 300  # a dozen sub-groups: some complete early in backward
+    return cfg
+
+
+def _train(cfg, accumulation, rank=0, lr_after_backward=None):
+    engine = offload.initialize(make_model(), cfg)
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            engine.backward(engine(batch(step, micro, rank)))
+            if lr_after_backward is not None and micro == accumulation - 1:
+                engine.lr = lr_after_backward(step)
+            engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("stage,device,accumulation,clip", CASES)
+def test_bitwise_the_plain_step(tmp_path, stage, device, accumulation, clip):
+    plain = _train(_config(tmp_path, stage, device, accumulation, clip, False), accumulation)
+    over = _train(_config(tmp_path, stage, device, accumulation, clip, True), accumulation)
+    expected, state = plain.state_dict(), over.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    ref = train_reference(make_model(), STEPS, 1, accumulation, _config(tmp_path, stage, device, accumulation, clip, False))
+    assert max_difference(state, ref) < 1e-5
+    step = over.update
+    binds = clip < 1.0  # TinyLM's gradient norm is about 2-6
+    assert step.speculated_steps == STEPS
+    if binds:
+        assert step.rollbacks == STEPS and step.kept == 0
+    else:
+        assert step.rollbacks == 0 and step.kept >= STEPS * 3  # several sub-groups a step ran during backward
+    plain.close()
+    over.close()
+
+
+def test_an_overflow_or_a_late_learning_rate_rolls_back(tmp_path):
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+
+    def run(overlap_step):
+        engine = offload.initialize(make_model(), _config(tmp_path, 2, "cpu", 1, 1e6, overlap_step, **fp16))
+        for step in range(STEPS):
+            loss = engine(batch(step, 0, 0))
+            engine.backward(loss * float("inf") if step == 2 else loss)  # step 2 overflows
+            if step == 4:
+                engine.lr = 1e-3  # set after backward: the speculated steps used the old rate
+            engine.step()
+        return engine
+
+    plain, over = run(False), run(True)
+    expected, state = plain.state_dict(), over.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert over.skipped_steps == plain.skipped_steps == 1
+    assert over.update.rollbacks == 2
+    plain.close()
+    over.close()
+
+
+def test_frequent_rollbacks_stop_speculation_once_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(overlap, "WINDOW", 4)
+    monkeypatch.setattr(overlap, "RETRY_EVERY", 3)
+    cfg = _config(tmp_path, 2, "cpu", 1, 0.5, True)  # clipping binds on every step
+    with pytest.warns(UserWarning, match="overlap_step rolled back most of the last 4 steps") as caught:
+        engine = _train(cfg, 1)
+        for step in range(STEPS, 3 * STEPS):
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.step()
+    assert len([w for w in caught if "rolled back" in str(w.message)]) == 1
+    # Four speculated steps, then one try every third step (steps 6, 9, 12, 15): eight in all.
+    assert engine.update.speculated_steps == engine.update.rollbacks == 8
+    engine.close()
+
+
+def _world2_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    results = {}
+    for stage, device, clip in [(2, "nvme", 1e6), (3, "cpu", 0.5), (3, "nvme", 1e6)]:
+        nvme = os.path.join(out_dir, f"nvme{rank}")
+        os.makedirs(nvme, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = _train(_config(nvme, stage, device, 2, clip, False), 2, rank)
+            over = _train(_config(nvme, stage, device, 2, clip, True), 2, rank)
+        a, b = plain.state_dict(), over.state_dict()
+        ref = train_reference(make_model(), STEPS, 2, 2, _config(nvme, stage, device, 2, clip, False))
+        results[f"{stage}-{device}-{clip}"] = [all(torch.equal(a[k], b[k]) for k in a), max_difference(b, ref),
+                                               over.update.kept, over.update.rollbacks]
+        plain.close()
+        over.close()
+    finish_rank(out_dir, rank, results)
+
+
+def test_world_size_2(tmp_path):
+    for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
+        for name, (bitwise, difference, kept, rollbacks) in results.items():
+            assert bitwise and difference < 1e-5, (rank, name, difference)
+            assert (rollbacks == STEPS) if name.endswith("0.5") else (kept > 0 and rollbacks == 0), (rank, name)

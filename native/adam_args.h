@@ -17,6 +17,11 @@
 // scalar, because torch may itself turn a division by a scalar into a multiply
 // by its reciprocal, and the fallback must not depend on that.)
 //
+// The moments may be stored in bf16 (offload_optimizer.state_dtype): they are
+// widened to fp32 on load, the sequence above runs in fp32 unchanged, and m and
+// v are rounded to nearest even only when stored. The new weights use the fp32
+// m and v of this step, not their rounded copies.
+//
 // The sources are built with -ffp-contract=off and use no FMA, because a fused
 // multiply-add rounds once where the sequence above rounds twice. That costs
 // nothing measurable (the step is bound by memory bandwidth) and buys results
@@ -46,8 +51,9 @@ struct AdamConsts {
 
 struct AdamBuffers {
   float* param;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;
+  void* exp_avg_sq;
+  int moment_dtype;  // kFloat32 or kBFloat16
   const void* grad;
   int grad_dtype;  // Dtype
   void* out;       // nullptr: no low-precision copy

@@ -19,12 +19,19 @@ struct F16 { uint16_t bits; };
 // kStream: write the low-precision copy with non-temporal stores. That copy goes
 // to the accelerator (or to the next forward, long after it left the cache),
 // so pulling its lines into cache before overwriting them is wasted traffic.
-template <class V, class GradT, class OutT, bool kStream>
+// Moments stored as MomT (float or BF16); load_grad widens either to fp32.
+template <class V, class MomT>
+void store_moment(MomT* p, typename V::Vec x) {
+  if constexpr (std::is_same_v<MomT, float>) V::store(p, x);
+  else V::template store_out<false>(p, x);
+}
+
+template <class V, class GradT, class OutT, class MomT, bool kStream>
 void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
   using Vec = typename V::Vec;
   float* p = b.param;
-  float* m = b.exp_avg;
-  float* v = b.exp_avg_sq;
+  MomT* m = static_cast<MomT*>(b.exp_avg);
+  MomT* v = static_cast<MomT*>(b.exp_avg_sq);
   const GradT* g = static_cast<const GradT*>(b.grad);
   OutT* out = static_cast<OutT*>(b.out);
 
@@ -40,14 +47,14 @@ void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t
     Vec pi = V::load(p + i);
     Vec gi = V::mul(V::load_grad(g + i), grad_scale);
     if (c.use_l2) gi = V::add(gi, V::mul(pi, l2_decay));
-    Vec mi = V::add(V::mul(V::load(m + i), beta1), V::mul(gi, one_minus_beta1));
-    Vec vi = V::add(V::mul(V::load(v + i), beta2), V::mul(V::mul(gi, gi), one_minus_beta2));
+    Vec mi = V::add(V::mul(V::load_grad(m + i), beta1), V::mul(gi, one_minus_beta1));
+    Vec vi = V::add(V::mul(V::load_grad(v + i), beta2), V::mul(V::mul(gi, gi), one_minus_beta2));
     if (c.use_decoupled) pi = V::mul(pi, decoupled_keep);
     Vec denom = V::add(V::mul(V::sqrt(vi), inv_bc2_sqrt), eps);
     pi = V::sub(pi, V::mul(V::div(mi, denom), step_size));
     V::store(p + i, pi);
-    V::store(m + i, mi);
-    V::store(v + i, vi);
+    store_moment<V>(m + i, mi);
+    store_moment<V>(v + i, vi);
     if constexpr (!std::is_same_v<OutT, float>) V::template store_out<kStream>(out + i, pi);
   }
   if constexpr (kStream) V::fence();
@@ -56,23 +63,29 @@ void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t
 // float as OutT means "no low-precision copy". Streaming stores need every
 // vector of the copy aligned to its width; callers start ranges on multiples of
 // 64 elements, so a 64-byte aligned buffer is enough.
-template <class V, class GradT>
+template <class V, class GradT, class MomT>
 void adam_dispatch_out(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
-  if (b.out == nullptr) return adam_loop<V, GradT, float, false>(b, c, begin, end);
+  if (b.out == nullptr) return adam_loop<V, GradT, float, MomT, false>(b, c, begin, end);
   const bool stream = reinterpret_cast<uintptr_t>(b.out) % 64 == 0 && begin % 64 == 0;
   if (b.out_dtype == kBFloat16) {
-    if (stream) return adam_loop<V, GradT, BF16, true>(b, c, begin, end);
-    return adam_loop<V, GradT, BF16, false>(b, c, begin, end);
+    if (stream) return adam_loop<V, GradT, BF16, MomT, true>(b, c, begin, end);
+    return adam_loop<V, GradT, BF16, MomT, false>(b, c, begin, end);
   }
-  if (stream) return adam_loop<V, GradT, F16, true>(b, c, begin, end);
-  return adam_loop<V, GradT, F16, false>(b, c, begin, end);
+  if (stream) return adam_loop<V, GradT, F16, MomT, true>(b, c, begin, end);
+  return adam_loop<V, GradT, F16, MomT, false>(b, c, begin, end);
+}
+
+template <class V, class MomT>
+void adam_dispatch_grad(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  if (b.grad_dtype == kFloat32) return adam_dispatch_out<V, float, MomT>(b, c, begin, end);
+  if (b.grad_dtype == kBFloat16) return adam_dispatch_out<V, BF16, MomT>(b, c, begin, end);
+  return adam_dispatch_out<V, F16, MomT>(b, c, begin, end);
 }
 
 template <class V>
 void adam_dispatch(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
-  if (b.grad_dtype == kFloat32) return adam_dispatch_out<V, float>(b, c, begin, end);
-  if (b.grad_dtype == kBFloat16) return adam_dispatch_out<V, BF16>(b, c, begin, end);
-  return adam_dispatch_out<V, F16>(b, c, begin, end);
+  if (b.moment_dtype == kBFloat16) return adam_dispatch_grad<V, BF16>(b, c, begin, end);
+  return adam_dispatch_grad<V, float>(b, c, begin, end);
 }
 
 }  // namespace

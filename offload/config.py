@@ -72,6 +72,9 @@ class OptimizerConfig:
 @dataclass(frozen=True, kw_only=True)
 class BF16Config:
     enabled: bool = _f(False, "compute in bfloat16 (fp32 master weights); no loss scaling")
+    bf16_optimizer_states: bool = _f(False, "DeepSpeed's name for zero_optimization.offload_optimizer.state_dtype "
+                                     "bfloat16: Adam's moments stored in bf16")
+    bf16_master_weights_and_grads: bool = _f(False, "true is refused: bf16 master weights are not implemented yet")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +102,10 @@ class OffloadOptimizerConfig:
                             "gradient is complete, and is rolled back if clipping or an overflow says otherwise "
                             "(exact); holds up to buffer_count sub-groups' state copies")
     delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
+    state_dtype: str | None = _f(None, "device cpu or nvme: Adam's moments stored as float32 (12 bytes per "
+                                 "parameter with the fp32 master) or bfloat16 (8), computed in fp32 either way; "
+                                 "unset: float32, or bfloat16 under bf16.bf16_optimizer_states",
+                                 choices=("float32", "bfloat16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +173,15 @@ class Config:
         if offload.overlap_step and offload.gradients_on_nvme:
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step with gradients_on_nvme is not "
                               "implemented yet: the owned gradient's swap files would be read by two threads; drop one")
+        if self.bf16.bf16_master_weights_and_grads:
+            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 master weights are not implemented yet; "
+                              "remove it (bf16.bf16_optimizer_states halves the moments' bytes)")
+        if self.bf16.bf16_optimizer_states and offload.state_dtype == "float32":
+            raise ConfigError("bf16.bf16_optimizer_states is true but zero_optimization.offload_optimizer.state_dtype "
+                              "is float32; keep one of them")
+        if self.state_dtype != "float32" and offload.device == "none":
+            raise ConfigError(f"{self._state_dtype_key} {self.state_dtype} needs zero_optimization.offload_optimizer."
+                              "device cpu or nvme: on the accelerator the optimizer is torch's AdamW, with fp32 moments")
         if offload.delayed_update and offload.device == "none":
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 
@@ -196,6 +212,18 @@ class Config:
         return dataclasses.replace(self, zero_optimization=dataclasses.replace(
             z, offload_optimizer=dataclasses.replace(z.offload_optimizer, nvme_path=path),
             offload_param=dataclasses.replace(z.offload_param, nvme_path=path)))
+
+    @property
+    def state_dtype(self) -> str:
+        """The optimizer moments' storage dtype (Note [state format])."""
+        given = self.zero_optimization.offload_optimizer.state_dtype
+        return given or ("bfloat16" if self.bf16.bf16_optimizer_states else "float32")
+
+    @property
+    def _state_dtype_key(self) -> str:
+        if self.zero_optimization.offload_optimizer.state_dtype:
+            return "zero_optimization.offload_optimizer.state_dtype"
+        return "bf16.bf16_optimizer_states: true means state_dtype"
 
     @property
     def compute_dtype_name(self) -> str:

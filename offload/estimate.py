@@ -16,7 +16,9 @@ Per rank, with P parameters, N ranks, n = P / N owned elements, d compute
 bytes (2 for bf16/fp16, 4 for fp32), g owned-gradient bytes (d at stage 1 or
 without accumulation, else 4: Note [owned gradient dtype]), a accumulation
 steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
-swap files of b bytes be in flight (``store.pool_bytes``):
+swap files of b bytes be in flight (``store.pool_bytes``), and o the
+optimizer bytes per element off the accelerator (Note [state format]: 12
+with float32 moments, 8 with bfloat16):
   weights        stages 1-2: d*P on the accelerator (replicated);
                  stage 3: d*n in the weight tier (with weights on nvme, the
                  first max_in_cpu elements in host memory instead), plus, on
@@ -36,14 +38,14 @@ swap files of b bytes be in flight (``store.pool_bytes``):
                  fills while the other is applied)
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
-                 gradient copy, m, v); cpu: 12*n host; nvme: 12*n disk plus
-                 pool(12*s, buffer_count); with overlap_step, buffer_count
-                 sub-groups' state copies and new weights, (12+d)*s each, host
+                 gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
+                 pool(o*s, buffer_count); with overlap_step, buffer_count
+                 sub-groups' state copies and new weights, (o+d)*s each, host
   weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
 once; stage 3 weights in cpu/nvme go up twice per micro-batch (forward and
-backward gathers); the optimizer on nvme reads and writes 12*n, gradients on
+backward gathers); the optimizer on nvme reads and writes o*n, gradients on
 nvme g*n each way per micro-batch; the weights on disk (those beyond
 max_in_cpu) are read twice per micro-batch and written once.
 """
@@ -56,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 
 from offload.config import Config
 from offload.models.gpt import GPTConfig
+from offload.optim.state_format import StateFormat
 from offload.store import pool_bytes
 from offload.zero.layout import ALIGN
 from offload.zero.stage3 import parts_in_cpu
@@ -147,12 +150,15 @@ class Estimate:
         return out
 
 
-def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1) -> Estimate:
-    """Note [estimate terms] for one setup; ``config`` gives the dtype and buffer sizes."""
+def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1,
+             state_dtype: str | None = None) -> Estimate:
+    """Note [estimate terms] for one setup; ``config`` gives the dtypes and
+    buffer sizes, ``state_dtype`` (if given) the moments' dtype instead."""
     zero = config.zero_optimization
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
+    o = StateFormat.named(state_dtype or config.state_dtype).bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)
@@ -189,12 +195,12 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         tiers["host"]["gradient pool"] = pool_bytes([g * sub_group], zero.offload_optimizer.buffer_count)
     if zero.offload_optimizer.delayed_update and setup.optimizer != "none" and setup.stage < 3:
         tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * n
-    tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else 12) * n
+    tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else o) * n
     if setup.optimizer == "nvme":
-        tiers["host"]["optimizer pool"] = pool_bytes([12 * sub_group], zero.offload_optimizer.buffer_count)
+        tiers["host"]["optimizer pool"] = pool_bytes([o * sub_group], zero.offload_optimizer.buffer_count)
     if zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1:
         # Note [overlapped step]: each speculated sub-group's state copy and new weights.
-        tiers["host"]["overlapped step's copies"] = zero.offload_optimizer.buffer_count * (12 + d) * sub_group
+        tiers["host"]["overlapped step's copies"] = zero.offload_optimizer.buffer_count * (o + d) * sub_group
 
     offloaded = setup.optimizer != "none"
     pcie = 0.0
@@ -209,8 +215,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
             pcie += d * n  # new weights cross once, between the optimizer's tier and the weights'
     read = written = 0.0
     if setup.optimizer == "nvme":
-        read += 12 * n
-        written += 12 * n
+        read += o * n
+        written += o * n
         if grads_on_disk:
             read += g * n * a
             written += g * n * a

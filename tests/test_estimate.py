@@ -73,16 +73,23 @@ def test_hand_computed_offload_cases():
     assert e.per_rank["device"]["gradient buckets"] == 2 * 51_200_000  # the largest parameter has a bucket of its own
 
 
+SETUP_CASES = [(setup, "float32") for setup in all_setups()]
+SETUP_CASES += [(setup, "bfloat16") for setup in all_setups() if setup.optimizer != "none"]
+
+
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
-@pytest.mark.parametrize("setup", all_setups(), ids=lambda s: s.name.replace(", ", "-").replace(" ", ""))
-def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup):
+@pytest.mark.parametrize("setup,state_dtype", SETUP_CASES,
+                         ids=lambda v: v.name.replace(", ", "-").replace(" ", "") if isinstance(v, Setup) else v)
+def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup, state_dtype):
     """Per tier, the estimate lies within 10% (+64 KiB of headers) of the peak
-    the engine's memory report gives, and so do the bytes read and written per step."""
+    the engine's memory report gives, and so do the bytes read and written per
+    step, for fp32 and bf16 Adam moments."""
     c = SIZES["small"]
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             "stage3_max_live_parameters": 200_000,
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
-                                  "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme"}}
+                                  "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme",
+                                  **({"state_dtype": state_dtype} if setup.optimizer != "none" else {})}}
     if setup.stage == 3:
         zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
     config = offload.Config.load({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
@@ -123,6 +130,15 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
         assert again.node == e.node and plan.fits(again, machine)
     assert raw["zero_optimization"]["offload_optimizer"]["gradients_on_nvme"]  # 4 GB of fp32 gradient would not fit 4 GiB
     assert plan.choose(ModelShape.from_count(10**12), plan.Machine(1, None, 16 * gib, 100 * gib), "/nvme") is None
+
+
+def test_plan_with_bf16_moments_keeps_the_state_in_ram_where_fp32_needs_the_disk():
+    gib = 1 << 30
+    shape, machine = ModelShape.from_count(1_000_000_000), plan.Machine(1, 24 * gib, 16 * gib, 100 * gib)
+    assert plan.choose(shape, machine, "/nvme")[1].setup == Setup(2, "nvme")
+    raw, e = plan.choose(shape, machine, "/nvme", "bfloat16")
+    assert e.setup == Setup(2, "cpu") and raw["zero_optimization"]["offload_optimizer"]["state_dtype"] == "bfloat16"
+    assert e.node["host"] == estimate(shape, Setup(2, "cpu"), offload.Config.load(raw), 1).node["host"]
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")

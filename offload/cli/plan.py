@@ -27,6 +27,7 @@ from offload.cli import bench_swap
 from offload.cli.args import byte_size, output_file, positive_int
 from offload.cli.estimate import add_model_arguments, model_shape
 from offload.errors import UsageError
+from offload.optim.state_format import STATE_DTYPES
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.store import AioSettings
 
@@ -62,6 +63,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=positive_int, default=None, help="ranks on this node (default: the GPUs present, else 1)")
     p.add_argument("--bench-size", type=byte_size, default=256 << 20, help="bytes for the swap measurement (default 256MiB)")
     p.add_argument("--out", type=output_file, default="offload_config.json", help="where to write the config (default offload_config.json)")
+    p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32",
+                   help="Adam moments' dtype off the accelerator: bfloat16 stores 8 bytes per parameter instead of "
+                        "12 (not bitwise AdamW; default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -81,10 +85,13 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     return machine
 
 
-def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, bf16: bool) -> dict:
+def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, bf16: bool,
+               state_dtype: str = "float32") -> dict:
     """``in_cpu``: with weights on nvme, the elements of each rank's part kept in host memory."""
     stage, optimizer, weights, grads_on_nvme = step
     offload_optimizer = {"device": optimizer}
+    if optimizer != "none" and state_dtype != "float32":
+        offload_optimizer["state_dtype"] = state_dtype
     if optimizer == "nvme":
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, gradients_on_nvme=grads_on_nvme)
     zero = {"stage": stage, "sub_group_size": sub_group, "offload_optimizer": offload_optimizer}
@@ -108,7 +115,8 @@ def fits(e: Estimate, machine: Machine) -> bool:
     return all(e.fits.values())
 
 
-def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[dict, Estimate] | None:
+def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
+           state_dtype: str = "float32") -> tuple[dict, Estimate] | None:
     """The first setup of LADDER (with the largest sub-group) that fits, as (config, estimate)."""
     bf16 = machine.gpu_mem is not None
     owned = max(1, math.ceil(shape.params / machine.gpus))
@@ -119,7 +127,7 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None) -> tuple[
         sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {math.ceil(owned / 8)}, reverse=True)
         shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
         for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
-            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16)
+            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, state_dtype)
             e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus)
             if fits(e, machine):
                 return raw, e
@@ -130,9 +138,10 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
     machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
     nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
-    chosen = choose(shape, machine, nvme_path)
+    chosen = choose(shape, machine, nvme_path, args.state_dtype)
     if chosen is None:
-        need = estimate(shape, Setup(3, "nvme", "nvme"), Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False)),
+        need = estimate(shape, Setup(3, "nvme", "nvme"),
+                        Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False, args.state_dtype)),
                         machine.gpus)
         where = "" if args.nvme_path else "; pass --nvme-path DIR to consider a disk"
         print(f"offload plan: no setup fits {shape.params / 1e9:.3g}B parameters here: even with everything on NVMe it "

@@ -1,4 +1,4 @@
-"""One Adam step on contiguous fp32 CPU shards, by the native kernel or its fallback.
+"""One Adam step on contiguous CPU shards, by the native kernel or its fallback.
 
 ``adam_step`` is the single entry point the optimizer and the engine use. It
 checks what only Python can see (device, dtype, contiguity, sizes, aliasing),
@@ -24,6 +24,7 @@ from offload.optim.hyper import AdamHyper, require
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_THREADS = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available_cores() -> int:
@@ -65,6 +66,7 @@ def adam_step(
     The gradient (fp32, bf16 or fp16) is multiplied by ``grad_scale`` first, so
     loss-scale unscaling and clipping cost no extra pass. If ``out`` (bf16 or
     fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
+    The moments are fp32 or both bf16 (Note [bit-identical Adam]).
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     require(isinstance(step, int) and 1 <= step < 2**62, f"step must be an int in [1, 2**62) (the first step is 1), got {step!r}")
@@ -77,7 +79,7 @@ def adam_step(
         return
     _native.check(
         _native.lib().offload_adam_step(
-            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype],
             grad.data_ptr(), _DTYPE_CODES[grad.dtype],
             out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
             param.numel(),
@@ -98,8 +100,9 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
         require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
         require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
         require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
-    for name in ("param", "exp_avg", "exp_avg_sq"):
-        require(named[name].dtype == torch.float32, f"{name} must be float32, got {named[name].dtype}")
+    require(param.dtype == torch.float32, f"param must be float32, got {param.dtype}")
+    require(exp_avg.dtype in MOMENT_DTYPES and exp_avg_sq.dtype == exp_avg.dtype,
+            f"exp_avg and exp_avg_sq must both be float32 or both bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
     spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in named.items()]

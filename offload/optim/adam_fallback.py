@@ -37,12 +37,16 @@ def adam_step_torch(
     g = grad.float() * grad_scale
     if decay and not hyper.decoupled:
         g = g + param * hyper.weight_decay
-    exp_avg.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
-    exp_avg_sq.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
+    # In fp32 whatever the moments' storage; bf16 moments are rounded only when stored back.
+    m = exp_avg.float().mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
+    v = exp_avg_sq.float().mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
     if decay and hyper.decoupled:
         param.mul_(1.0 - hyper.lr * hyper.weight_decay)
-    denom = _sqrt_exact(exp_avg_sq).mul_(inv_bc2_sqrt).add_(hyper.eps)
-    param.sub_(exp_avg.div(denom).mul_(step_size))
+    denom = _sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps)
+    param.sub_(m.div(denom).mul_(step_size))
+    if exp_avg.dtype != torch.float32:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     if out is not None:
         out.copy_(param)
 

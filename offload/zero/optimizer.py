@@ -3,9 +3,9 @@
 Where the state lives is chosen once, at construction (``make_optimizer``):
   - ``DeviceOptimizer`` (``offload_optimizer.device: none``): on the
     accelerator, updated by torch's own Adam/AdamW (the reference path);
-  - ``StoreOptimizer`` (``cpu`` or ``nvme``): one [3, n] tensor (master,
-    exp_avg, exp_avg_sq) per sub-group in a tiered store, in host memory or in
-    swap files, updated by the native CPU Adam. On nvme, while sub-group i is
+  - ``StoreOptimizer`` (``cpu`` or ``nvme``): one buffer (master, exp_avg,
+    exp_avg_sq; Note [state format]) per sub-group in a tiered store, in host
+    memory or in swap files, updated by the native CPU Adam. On nvme, while sub-group i is
     updated, i+1 is being read and i-1 written back (``pipeline_read`` /
     ``pipeline_write``), in at most ``buffer_count`` pool buffers: up to
     ``buffer_count - 2`` sub-groups are read ahead, the first of them during
@@ -29,6 +29,7 @@ from offload.config import Config
 from offload.errors import PoolExhausted
 from offload.optim.adam import adam_step, default_threads
 from offload.optim.hyper import AdamHyper
+from offload.optim.state_format import StateFormat
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
@@ -190,21 +191,26 @@ class StoreOptimizer(ShardOptimizer):
         buffers = offload.buffer_count if self.tier == "nvme" else 1
         self.read_ahead = max(1, buffers - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
+        self.format = StateFormat.named(config.state_dtype)
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
-            pinned_limit_bytes=pool_bytes([3 * 4 * self.groups.largest], buffers),
+            pinned_limit_bytes=pool_bytes([self.format.nbytes(self.groups.largest)], buffers),
             aio=config.aio,
             pin_memory=None if offload.pin_memory else False,
             pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
         )
-        zeros = torch.zeros(3, self.groups.largest)
+        zeros = self.format.blank(self.groups.largest)
         for i, (lo, hi) in enumerate(self.groups):
-            self.store.put(self._key(i), zeros[:, : hi - lo], self.tier)
+            self.store.put(self._key(i), zeros[: self.format.nbytes(hi - lo)], self.tier)
         self._open_group: int | None = None  # the sub-group write_master holds resident
 
     @staticmethod
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
+
+    def _views(self, i: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lo, hi = self.groups[i]
+        return self.format.views(buffer, hi - lo)
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set master weights [lo, hi). Call in increasing order of ``lo``; then ``finish_master``."""
@@ -212,8 +218,8 @@ class StoreOptimizer(ShardOptimizer):
             if self._open_group != i:
                 self.finish_master()
                 self._open_group = i
-            (state,) = self.store.get([self._key(i)])
-            state[0, a - g_lo : b - g_lo].copy_(values[a - lo : b - lo])
+            (buffer,) = self.store.get([self._key(i)])
+            self._views(i, buffer)[0][a - g_lo : b - g_lo].copy_(values[a - lo : b - lo])
 
     def finish_master(self) -> None:
         if self._open_group is not None:
@@ -253,16 +259,16 @@ class StoreOptimizer(ShardOptimizer):
                 self.store.prefetch(self._key(j) for j in ahead)
                 grad.prefetch(ahead)
             start = time.perf_counter()
-            (state,) = self.store.get([self._key(i)])
+            master, exp_avg, exp_avg_sq = self._views(i, self.store.get([self._key(i)])[0])
             g = grad.read(i)
             self.times.swap_wait += time.perf_counter() - start
 
             def update(target: torch.Tensor) -> None:
                 start = time.perf_counter()
-                adam_step(state[0], g, state[1], state[2], hyper, self.step_count, grad_scale=grad_scale,
+                adam_step(master, g, exp_avg, exp_avg_sq, hyper, self.step_count, grad_scale=grad_scale,
                           out=target if low_precision else None, threads=self.threads)
                 if not low_precision:
-                    target.copy_(state[0])
+                    target.copy_(master)
                 self.times.adam += time.perf_counter() - start
 
             self._hand_over(weights, lo, hi, update)
@@ -278,19 +284,20 @@ class StoreOptimizer(ShardOptimizer):
     def speculate(self, i: int, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, backup: torch.Tensor,
                   weights: torch.Tensor) -> bool:
         """Sub-group i's Adam step for the step about to be taken (Note [overlapped
-        step]), its state first saved into ``backup`` ([3, n] fp32), its new
+        step]), its state first saved into ``backup`` (as many bytes), its new
         weights into ``weights`` (the compute dtype). False, with nothing done,
         when reads ahead hold every pool buffer: the sub-group waits for step()."""
         try:
-            (state,) = self.store.get([self._key(i)])
+            (buffer,) = self.store.get([self._key(i)])
         except PoolExhausted:
             return False
-        backup.copy_(state)
+        backup.copy_(buffer)
+        master, exp_avg, exp_avg_sq = self._views(i, buffer)
         low_precision = weights.dtype != torch.float32
-        adam_step(state[0], grad, state[1], state[2], hyper, self.step_count + 1, grad_scale=grad_scale,
+        adam_step(master, grad, exp_avg, exp_avg_sq, hyper, self.step_count + 1, grad_scale=grad_scale,
                   out=weights if low_precision else None, threads=self.threads)
         if not low_precision:
-            weights.copy_(state[0])
+            weights.copy_(master)
         self.store.release([self._key(i)], dirty=True)
         return True
 
@@ -314,8 +321,8 @@ class StoreOptimizer(ShardOptimizer):
                         if held is not None:
                             self.store.release([self._key(held[0])], dirty=False)
                             held = None
-                        held = (i, self.store.get([self._key(i)])[0])
-                    out[a - lo : b - lo].copy_(held[1][0, a - g_lo : b - g_lo])
+                        held = (i, self._views(i, self.store.get([self._key(i)])[0])[0])
+                    out[a - lo : b - lo].copy_(held[1][a - g_lo : b - g_lo])
                 yield out
         finally:
             if held is not None:
@@ -327,9 +334,9 @@ class StoreOptimizer(ShardOptimizer):
         item is drawn. Swapped sub-groups are read ahead as in ``step``."""
         for i, (lo, hi) in enumerate(self.groups):
             self.store.prefetch(self._key(j) for j in range(i + 1, min(len(self.groups), i + 1 + self.read_ahead)))
-            (state,) = self.store.get([self._key(i)])
+            (buffer,) = self.store.get([self._key(i)])
             try:
-                yield lo, hi, state
+                yield lo, hi, self.format.decode(buffer, hi - lo)
             finally:
                 self.store.release([self._key(i)], dirty=False)
 
@@ -338,10 +345,11 @@ class StoreOptimizer(ShardOptimizer):
         in order; each sub-group's new weights go to ``weights`` as after a step."""
         self.step_count = step_count
         for i, (lo, hi) in enumerate(self.groups):
-            state = self.store.get_blank(self._key(i))
+            buffer = self.store.get_blank(self._key(i))
             try:
-                fill(state)
-                self._hand_over(weights, lo, hi, lambda target: target.copy_(state[0]))
+                self.format.fill(buffer, hi - lo, fill)
+                master = self._views(i, buffer)[0]
+                self._hand_over(weights, lo, hi, lambda target: target.copy_(master))
             finally:
                 self.store.release([self._key(i)], dirty=True)
         self.store.flush()

@@ -17,7 +17,7 @@ learning rate of the moment backward began. At ``step()`` the norm is known:
   - otherwise every speculated sub-group gets its saved state back, and the
     plain step runs (or, on overflow, is skipped): a rollback.
 At most ``buffer_count`` sub-groups are speculated per step (each holds a
-copy of its state, 12 bytes per element, and its new weights); the rest wait
+copy of its state (Note [state format]) and its new weights); the rest wait
 for ``step()``. When most recent steps rolled back (clipping binds, as early
 in training), speculation stops, once said, and is tried again every
 ``RETRY_EVERY`` steps.
@@ -125,9 +125,11 @@ class OverlappedStep:
         self._sums[i] = sum_squares(grad)
         if speculate:
             largest, n = self.optimizer.groups.largest, hi - lo
-            bases = self._spare.pop() if self._spare else (torch.empty(3 * largest),
-                                                           torch.empty(largest, dtype=self.weights.dtype))
-            state, weights = bases[0][: 3 * n].view(3, n), bases[1][:n]
+            state_format = self.optimizer.format
+            bases = self._spare.pop() if self._spare else (
+                torch.empty(state_format.nbytes(largest), dtype=torch.uint8),
+                torch.empty(largest, dtype=self.weights.dtype))
+            state, weights = bases[0][: state_format.nbytes(n)], bases[1][:n]
             if not self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights):
                 self._spare.append(bases)
                 return

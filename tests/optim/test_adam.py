@@ -85,11 +85,12 @@ def test_grad_scale_equals_scaled_gradient():
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("decoupled", [True, False])
-def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, decoupled, restore_isa):
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, decoupled, moment_dtype, restore_isa):
     _native.set_adam_isa(isa)
     n = 100_003
     hyper = AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=decoupled, bias_correction=not decoupled)
-    native = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
+    native = [torch.randn(n), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)]
     fallback = [t.clone() for t in native]
     outs = [torch.empty(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
     for step in range(1, 6):
@@ -99,6 +100,23 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
     for a, b in zip(native + outs, fallback + outs[1:] + [None]):
         if b is not None:
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bf16_moments_are_the_fp32_ones_rounded_and_the_weights_use_fp32(impl):
+    """From zero moments, one step with bf16 moments gives the fp32 step's
+    weights bit for bit (the update reads m and v before they are rounded) and
+    stores m and v rounded to nearest even."""
+    n = 10_007
+    hyper = AdamHyper(lr=1e-2, weight_decay=0.1)
+    grad, init = torch.randn(n) * 3, torch.randn(n)
+    wide = [init.clone(), torch.zeros(n), torch.zeros(n)]
+    narrow = [init.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    impl(wide[0], grad, wide[1], wide[2], hyper, 1)
+    impl(narrow[0], grad, narrow[1], narrow[2], hyper, 1)
+    assert torch.equal(narrow[0], wide[0])
+    assert torch.equal(narrow[1], wide[1].bfloat16()) and torch.equal(narrow[2], wide[2].bfloat16())
+    assert not torch.equal(narrow[1].float(), wide[1])  # the rounding is real
 
 
 def _awkward_floats(n: int) -> torch.Tensor:
@@ -225,14 +243,15 @@ def test_native_checks_what_it_is_given():
     p = buf.data_ptr()
     common = (0.001, 0.9, 0.999, 1e-8, 0.0, 1, 1, 1, 1.0, 1)
     cases = {
-        "overlap": ((p, p + 64, p + 512, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
-        "null": ((None, p, p + 256, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
-        "misaligned": ((p + 1, p + 256, p + 512, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
-        "grad dtype code": ((p, p + 256, p + 512, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
-        "out dtype code": ((p, p + 256, p + 512, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
-        "negative n": ((p, p + 256, p + 512, p + 768, 0, None, 0, -1) + common, "n must be in"),
-        "bad beta": ((p, p + 256, p + 512, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
-        "negative threads": ((p, p + 256, p + 512, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
+        "overlap": ((p, p + 64, p + 512, 0, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
+        "null": ((None, p, p + 256, 0, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
+        "misaligned": ((p + 1, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
+        "grad dtype code": ((p, p + 256, p + 512, 0, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
+        "out dtype code": ((p, p + 256, p + 512, 0, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
+        "negative n": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, -1) + common, "n must be in"),
+        "bad beta": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
+        "negative threads": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
+        "moment dtype code": ((p, p + 256, p + 512, 2, p + 768, 0, None, 0, 8) + common, "moment dtype code 2"),
     }
     for args, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):

@@ -82,7 +82,8 @@ def config(stage: int, device: str, accumulation: int, nvme_path: str | None = N
     return cfg
 
 
-def train_reference(model: nn.Module, steps: int, world: int, accumulation: int, cfg: dict) -> nn.Module:
+def train_reference(model: nn.Module, steps: int, world: int, accumulation: int, cfg: dict,
+                    moment_dtype: torch.dtype = torch.float32) -> nn.Module:
     ref = copy.deepcopy(model)
     p = cfg["optimizer"]["params"]
     opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
@@ -95,7 +96,16 @@ def train_reference(model: nn.Module, steps: int, world: int, accumulation: int,
                 (ref(batch(step, micro, rank)) / (world * accumulation)).backward()
         ref.grad_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"]).item())
         opt.step()
+        if moment_dtype != torch.float32:
+            _round_moments(opt, moment_dtype)
     return ref
+
+
+def _round_moments(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Moments stored in ``dtype`` after each step, the step itself in fp32 (Note [state format])."""
+    for state in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].copy_(state[key].to(dtype))
 
 
 def train_engine(model: nn.Module, steps: int, accumulation: int, cfg: dict, rank: int = 0) -> offload.Engine:

@@ -54,13 +54,14 @@ def model_config(args: argparse.Namespace) -> GPTConfig | LlamaConfig:
     return GPTConfig(n_layer=args.layers or 41, n_head=width // 128, n_embd=width, block_size=args.seq_len)
 
 
-def engine_config(args: argparse.Namespace) -> dict:
+def engine_config(args: argparse.Namespace, c: GPTConfig | LlamaConfig) -> dict:
     return {
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         "gradient_clipping": 1.0,
         "zero_optimization": {
             "stage": 3, "sub_group_size": args.sub_group_size, "stage3_param_persistence_threshold": 100_000,
-            "offload_param": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4, "max_in_cpu": 0},
+            "offload_param": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4, "max_in_cpu": 0,
+                              "buffer_size": max(c.param_sizes())},
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4,
                                   "gradients_on_nvme": True, "state_dtype": args.state_dtype}},
         "bf16": {"enabled": True},
@@ -84,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     c = model_config(args)
-    cfg = engine_config(args)
+    cfg = engine_config(args, c)
     params = c.params()
     ram = psutil.virtual_memory().total
     print(f"{args.arch} ({c.n_layer} layers, width {c.n_embd}): {params / 1e9:.2f}B parameters; training state at "

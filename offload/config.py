@@ -269,8 +269,8 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
          "only stage 3 weights off the accelerator are brought ahead"),
         ("zero_optimization.stage3_max_live_parameters", z.stage < 3 or op.device == "none",
          "it bounds what stage 3 brings ahead of weights off the accelerator"),
-        ("zero_optimization.offload_param.buffer_size", True, "buffers are sized to each parameter's part; "
-         "the value is only checked to hold the largest"),
+        ("zero_optimization.offload_param.buffer_size", z.stage < 3 or op.device == "none",
+         "only stage 3 weights in cpu or nvme are checked against it"),
         ("zero_optimization.offload_param.buffer_count", op.device != "nvme", "host weight buffers serve device nvme only"),
         ("zero_optimization.offload_param.max_in_cpu", op.device != "nvme", "it needs offload_param.device nvme"),
         ("zero_optimization.offload_param.nvme_path", op.device != "nvme", "offload_param.device is not nvme"),

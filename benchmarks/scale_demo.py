@@ -63,8 +63,9 @@ def engine_config(args: argparse.Namespace, c: GPTConfig | LlamaConfig) -> dict:
             "offload_param": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4, "max_in_cpu": 0,
                               "buffer_size": max(c.param_sizes())},
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": 4,
-                                  "gradients_on_nvme": True, "state_dtype": args.state_dtype}},
-        "bf16": {"enabled": True},
+                                  "gradients_on_nvme": True, "state_dtype": args.state_dtype,
+                                  "master_dtype": args.master_dtype}},
+        "bf16": {"enabled": args.compute == "bfloat16"},
         "aio": {"block_size": 8 << 20, "queue_depth": 32, "thread_count": 1},
     }
 
@@ -76,6 +77,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--master-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--compute", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="compute dtype, also the weights' on disk (CPUs without bf16 instructions multiply "
+                             "bf16 matrices hundreds of times slower than fp32: use float32 there)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="steps measured, after the warm-up")
@@ -90,7 +95,8 @@ def main() -> None:
     ram = psutil.virtual_memory().total
     print(f"{args.arch} ({c.n_layer} layers, width {c.n_embd}): {params / 1e9:.2f}B parameters; training state at "
           f"16 B/param: {16 * params / 2**30:.1f} GiB ({16 * params / ram:.1f}x this machine's "
-          f"{ram / 2**30:.1f} GiB of RAM); Adam moments in {args.state_dtype}", flush=True)
+          f"{ram / 2**30:.1f} GiB of RAM); {args.compute} compute, {args.master_dtype} master, "
+          f"{args.state_dtype} moments", flush=True)
     expected = estimate(ModelShape.from_gpt(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
     free = shutil.disk_usage(args.nvme_path).free
     print(f"offload estimate: {expected.node['nvme'] / 1e9:.1f} GB on disk ({free / 1e9:.1f} GB free), "
@@ -136,7 +142,8 @@ def main() -> None:
         s["disk_seconds"] = s["bytes_read"] / (disk["read_gbps"] * 1e9) + s["bytes_written"] / (disk["write_gbps"] * 1e9)
     median = {key: statistics.median(s[key] for s in steps) for key in ("seconds", "disk_seconds", "bytes_read",
                                                                          "bytes_written")}
-    result = {"arch": args.arch, "config": vars(c), "params": params, "state_dtype": args.state_dtype,
+    result = {"arch": args.arch, "config": vars(c), "params": params, "compute": args.compute,
+              "state_dtype": args.state_dtype, "master_dtype": args.master_dtype,
               "state_gib": 16 * params / 2**30, "ram_gib": ram / 2**30, "build_seconds": build_s,
               "estimated_bytes_read": expected.disk_read_per_step,
               "estimated_bytes_written": expected.disk_written_per_step, "estimated_disk_bytes": expected.node["nvme"],

@@ -1,11 +1,16 @@
-"""Adam's moments in fp32 against bf16 (``offload_optimizer.state_dtype``):
-the same training, the same data and seed, one run per format.
+"""Optimizer state formats (Note [state format]) against fp32: the same
+training, the same data and seed, one run per format.
 
 Each run is ``offload train`` (the bundled GPT on the bundled text, optimizer
 state on NVMe in a temporary directory) with the default config plus the
-format. Prints each format's held-out loss, its ratio to fp32's (the issue's
-bound: within 2%), and the bytes of optimizer state per parameter, and plots
-the training curves side by side.
+format:
+  fp32          fp32 master and moments, fp32 compute (the baseline of bf16-moments)
+  bf16-moments  bf16 moments (offload_optimizer.state_dtype)
+  bf16-compute  fp32 master and moments, bf16 compute (the baseline of bf16-master)
+  bf16-master   bf16 master and moments (master_dtype, stochastic rounding), bf16 compute
+Prints each format's held-out loss, its ratio to its baseline's (the bound:
+within 2%), and the bytes of optimizer state per parameter, and plots the
+training curves side by side.
 
     python benchmarks/state_formats.py --steps 1000 --out runs/state_formats
 """
@@ -18,18 +23,29 @@ import os
 import sys
 
 from offload.cli import main as offload_main
-from offload.optim.state_format import STATE_DTYPES, StateFormat
+from offload.optim.state_format import StateFormat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "..", "configs", "train_default.json")
 BOUND = 0.02
 
 
-def run(state_dtype: str, args: argparse.Namespace) -> dict:
+# name -> (bf16 compute, state_dtype, master_dtype, baseline)
+FORMATS = {
+    "fp32": (False, "float32", "float32", "fp32"),
+    "bf16-moments": (False, "bfloat16", "float32", "fp32"),
+    "bf16-compute": (True, "float32", "float32", "bf16-compute"),
+    "bf16-master": (True, "bfloat16", "bfloat16", "bf16-compute"),
+}
+
+
+def run(name: str, args: argparse.Namespace) -> dict:
+    bf16, state_dtype, master_dtype, _ = FORMATS[name]
     with open(DEFAULT_CONFIG) as f:
         config = json.load(f)
-    config["zero_optimization"]["offload_optimizer"]["state_dtype"] = state_dtype
-    out = os.path.join(args.out, state_dtype)
+    config["bf16"] = {"enabled": bf16}
+    config["zero_optimization"]["offload_optimizer"].update(state_dtype=state_dtype, master_dtype=master_dtype)
+    out = os.path.join(args.out, name)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "config.json")
     with open(path, "w") as f:
@@ -38,7 +54,7 @@ def run(state_dtype: str, args: argparse.Namespace) -> dict:
     if args.nvme_path:
         argv += ["--nvme-path", args.nvme_path]
     if offload_main(argv) != 0:
-        sys.exit(f"state_formats: offload train failed for {state_dtype}")
+        sys.exit(f"state_formats: offload train failed for {name}")
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
 
@@ -55,10 +71,10 @@ def plot(runs: dict[str, dict], path: str) -> None:
         window = max(1, len(losses) // 50)
         smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
                   for i in range(len(losses))]
-        ax.plot(range(1, len(losses) + 1), smooth, label=f"{name} moments (held-out {s['eval_loss_end']:.3f})")
+        ax.plot(range(1, len(losses) + 1), smooth, label=f"{name} (held-out {s['eval_loss_end']:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss, nats/byte (moving mean of {window})")
-    ax.set_title("Adam moments in fp32 and bf16, same seed and data")
+    ax.set_title("Optimizer state formats, same seed and data")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -70,15 +86,21 @@ def main() -> int:
     p.add_argument("--model", default="5M")
     p.add_argument("--nvme-path", default=None, help="where the swap files go (default: a temporary directory)")
     p.add_argument("--out", default="runs/state_formats")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"some of {', '.join(FORMATS)}")
     args = p.parse_args()
-    runs = {name: run(name, args) for name in STATE_DTYPES}
-    base = runs["float32"]["eval_loss_end"]
+    names = [n for n in args.formats.split(",") if n]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown:
+        sys.exit(f"state_formats: unknown --formats {unknown}; choose among {', '.join(FORMATS)}")
+    runs = {name: run(name, args) for name in names}
     print(f"\nstate formats: {args.model} GPT, {args.steps} steps, same seed and data")
-    print(f"{'moments':10}{'bytes/param':>12}{'held-out loss':>15}{'/ fp32':>9}{'final train loss':>18}")
+    print(f"{'format':14}{'bytes/param':>12}{'held-out loss':>15}{'/ baseline':>12}{'final train loss':>18}")
     for name, s in runs.items():
-        ratio = s["eval_loss_end"] / base
-        print(f"{name:10}{StateFormat.named(name).bytes_per_element:>12}{s['eval_loss_end']:>15.4f}{ratio:>9.4f}"
-              f"{s['losses'][-1]:>18.4f}  {'within' if abs(ratio - 1) <= BOUND else 'OUTSIDE'} {BOUND:.0%}")
+        _, state_dtype, master_dtype, baseline = FORMATS[name]
+        ratio = s["eval_loss_end"] / runs[baseline]["eval_loss_end"] if baseline in runs else float("nan")
+        verdict = f"{'within' if abs(ratio - 1) <= BOUND else 'OUTSIDE'} {BOUND:.0%} of {baseline}" if baseline != name else "baseline"
+        print(f"{name:14}{StateFormat.named(state_dtype, master_dtype).bytes_per_element:>12}"
+              f"{s['eval_loss_end']:>15.4f}{ratio:>12.4f}{s['losses'][-1]:>18.4f}  {verdict}")
     path = os.path.join(args.out, "state_formats.png")
     plot(runs, path)
     print(f"curves: {path}")

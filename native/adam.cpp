@@ -50,6 +50,11 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
   if (n < 0 || n > (int64_t{1} << 60))
     return fail("adam: n must be in [0, 2^60], got %lld", static_cast<long long>(n));
   if (!valid_dtype(b.grad_dtype)) return fail("adam: grad dtype code %d is not 0 (fp32), 1 (bf16) or 2 (fp16)", b.grad_dtype);
+  if (b.param_dtype != kFloat32 && b.param_dtype != kBFloat16)
+    return fail("adam: param dtype code %d is not 0 (fp32) or 1 (bf16)", b.param_dtype);
+  if (b.param_dtype == kBFloat16 && n > (int64_t{1} << 32))
+    return fail("adam: bf16 master weights take at most 2^32 elements per call (their rounding noise is keyed by a "
+                "32-bit index), got %lld", static_cast<long long>(n));
   if (b.moment_dtype != kFloat32 && b.moment_dtype != kBFloat16)
     return fail("adam: moment dtype code %d is not 0 (fp32) or 1 (bf16)", b.moment_dtype);
   if (b.out != nullptr && b.out_dtype != kBFloat16 && b.out_dtype != kFloat16)
@@ -61,7 +66,7 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
     const void* ptr;
     size_t element_size;
   } buffers[5] = {
-      {"param", b.param, 4},
+      {"param", b.param, dtype_size(b.param_dtype)},
       {"exp_avg", b.exp_avg, dtype_size(b.moment_dtype)},
       {"exp_avg_sq", b.exp_avg_sq, dtype_size(b.moment_dtype)},
       {"grad", b.grad, dtype_size(b.grad_dtype)}, {"out", b.out, 2},
@@ -113,6 +118,8 @@ int make_consts(double lr, double beta1, double beta2, double eps, double weight
 }
 
 void run_range(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  // Stochastic rounding has no AVX-512 form yet: every AVX-512 CPU runs AVX2.
+  if (isa == kAvx512 && b.param_dtype == kBFloat16) isa = kAvx2;
   int64_t body_end = begin;
   if (isa == kAvx512) {
     body_end = begin + (end - begin) / kAvx512Width * kAvx512Width;
@@ -144,11 +151,12 @@ OFFLOAD_API int offload_set_adam_isa(int isa) {
   return 0;
 }
 
-OFFLOAD_API int offload_adam_step(float* param, void* exp_avg, void* exp_avg_sq, int moment_dtype, const void* grad,
-                                  int grad_dtype, void* out, int out_dtype, int64_t n, double lr, double beta1, double beta2,
+OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key, void* exp_avg, void* exp_avg_sq,
+                                  int moment_dtype, const void* grad, int grad_dtype, void* out, int out_dtype,
+                                  int64_t n, double lr, double beta1, double beta2,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
                                   double grad_scale, int threads) {
-  const AdamBuffers b{param, exp_avg, exp_avg_sq, moment_dtype, grad, grad_dtype, out, out_dtype};
+  const AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, grad, grad_dtype, out, out_dtype};
   AdamConsts c;
   if (check_buffers(b, n) != 0) return -1;
   if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)

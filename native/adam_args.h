@@ -22,6 +22,11 @@
 // v are rounded to nearest even only when stored. The new weights use the fp32
 // m and v of this step, not their rounded copies.
 //
+// The master weights may be stored in bf16 (offload_optimizer.master_dtype):
+// widened on load like the moments, and the new value rounded stochastically
+// when stored (Note [stochastic rounding]); the low-precision copy-out then
+// receives exactly the stored master.
+//
 // The sources are built with -ffp-contract=off and use no FMA, because a fused
 // multiply-add rounds once where the sequence above rounds twice. That costs
 // nothing measurable (the step is bound by memory bandwidth) and buys results
@@ -49,8 +54,30 @@ struct AdamConsts {
   bool use_decoupled;
 };
 
+// Note [stochastic rounding]
+// A bf16 master weight x (fp32 after the step) is stored as the bf16 just
+// below or just above it in magnitude, the upper one with probability equal
+// to x's distance from the lower over the gap: add a 16-bit random number to
+// x's fp32 bits and drop the low 16 bits (NaN stays NaN). The random number
+// of element i (its index in the call's buffers, which is its index in the
+// sub-group) is the low 16 bits of mix32(key ^ mix32(i)), mix32 being the
+// "lowbias32" integer hash (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15;
+// x *= 0x846ca68b; x ^= x >> 16, all mod 2^32). The caller derives key from
+// the step and the sub-group (offload/optim/stochastic.py), so a rerun or a
+// resumed run draws the same numbers, whatever the ISA or thread count.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
 struct AdamBuffers {
-  float* param;
+  void* param;
+  int param_dtype;   // kFloat32, or kBFloat16 (Note [stochastic rounding])
+  uint32_t sr_key;   // for param_dtype kBFloat16
   void* exp_avg;
   void* exp_avg_sq;
   int moment_dtype;  // kFloat32 or kBFloat16

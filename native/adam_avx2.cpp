@@ -11,6 +11,22 @@ namespace {
 struct Avx2 {
   using Vec = __m256;
   static constexpr int64_t kWidth = kAvx2Width;
+  static constexpr bool kStochastic = true;
+  static __m256i mix32(__m256i x) {  // Note [stochastic rounding], per lane
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static Vec round_stochastic(Vec x, uint32_t key, uint32_t index) {
+    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i noise = _mm256_and_si256(mix32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(key)), mix32(lanes))),
+                                           _mm256_set1_epi32(0xffff));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(x), noise),
+                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+  }
   static Vec set1(float x) { return _mm256_set1_ps(x); }
   static Vec load(const float* p) { return _mm256_loadu_ps(p); }
   static Vec load_grad(const float* p) { return _mm256_loadu_ps(p); }

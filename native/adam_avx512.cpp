@@ -11,6 +11,7 @@ namespace {
 struct Avx512 {
   using Vec = __m512;
   static constexpr int64_t kWidth = kAvx512Width;
+  static constexpr bool kStochastic = false;  // bf16 master weights run on the AVX2 kernel (adam.cpp)
   static Vec set1(float x) { return _mm512_set1_ps(x); }
   static Vec load(const float* p) { return _mm512_loadu_ps(p); }
   static Vec load_grad(const float* p) { return _mm512_loadu_ps(p); }

@@ -65,6 +65,13 @@ inline float f16_to_float(uint16_t h) {
 struct Scalar {
   using Vec = float;
   static constexpr int64_t kWidth = 1;
+  static constexpr bool kStochastic = true;
+  // Note [stochastic rounding]
+  static Vec round_stochastic(Vec x, uint32_t key, uint32_t index) {
+    const uint32_t u = bits_of(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return x;
+    return float_of((u + (mix32(key ^ mix32(index)) & 0xffffu)) & 0xffff0000u);
+  }
   static Vec set1(float x) { return x; }
   static Vec load(const float* p) { return *p; }
   static Vec load_grad(const float* p) { return *p; }

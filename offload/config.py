@@ -74,7 +74,9 @@ class BF16Config:
     enabled: bool = _f(False, "compute in bfloat16 (fp32 master weights); no loss scaling")
     bf16_optimizer_states: bool = _f(False, "DeepSpeed's name for zero_optimization.offload_optimizer.state_dtype "
                                      "bfloat16: Adam's moments stored in bf16")
-    bf16_master_weights_and_grads: bool = _f(False, "true is refused: bf16 master weights are not implemented yet")
+    bf16_master_weights_and_grads: bool = _f(False, "DeepSpeed's name for zero_optimization.offload_optimizer."
+                                             "master_dtype bfloat16 (the owned gradient is bf16 without accumulation, "
+                                             "fp32 with it)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +108,9 @@ class OffloadOptimizerConfig:
                                  "parameter with the fp32 master) or bfloat16 (8), computed in fp32 either way; "
                                  "unset: float32, or bfloat16 under bf16.bf16_optimizer_states",
                                  choices=("float32", "bfloat16"))
+    master_dtype: str | None = _f(None, "device cpu or nvme, bf16 compute: the master weights stored as float32 (4 "
+                                  "bytes per parameter) or bfloat16 (2), rounded stochastically; unset: float32, or "
+                                  "bfloat16 under bf16.bf16_master_weights_and_grads", choices=("float32", "bfloat16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,14 +178,25 @@ class Config:
         if offload.overlap_step and offload.gradients_on_nvme:
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step with gradients_on_nvme is not "
                               "implemented yet: the owned gradient's swap files would be read by two threads; drop one")
-        if self.bf16.bf16_master_weights_and_grads:
-            raise ConfigError("bf16.bf16_master_weights_and_grads: bf16 master weights are not implemented yet; "
-                              "remove it (bf16.bf16_optimizer_states halves the moments' bytes)")
+        if self.bf16.bf16_master_weights_and_grads and offload.master_dtype == "float32":
+            raise ConfigError("bf16.bf16_master_weights_and_grads is true but zero_optimization.offload_optimizer."
+                              "master_dtype is float32; keep one of them")
+        if self.master_dtype != "float32":
+            where = _named(offload.master_dtype, "master_dtype", "bf16.bf16_master_weights_and_grads")
+            if offload.device == "none":
+                raise ConfigError(f"{where} needs zero_optimization.offload_optimizer.device cpu or nvme: on the "
+                                  "accelerator the optimizer is torch's AdamW, with an fp32 master")
+            if not self.bf16.enabled:
+                raise ConfigError(f"{where} needs bf16.enabled: the master weights are the bf16 compute weights")
+            if self.zero_optimization.sub_group_size > 2**32:
+                raise ConfigError(f"{where} takes a zero_optimization.sub_group_size of at most 2**32 (the rounding "
+                                  "noise is keyed by a 32-bit index)")
         if self.bf16.bf16_optimizer_states and offload.state_dtype == "float32":
             raise ConfigError("bf16.bf16_optimizer_states is true but zero_optimization.offload_optimizer.state_dtype "
                               "is float32; keep one of them")
         if self.state_dtype != "float32" and offload.device == "none":
-            raise ConfigError(f"{self._state_dtype_key} {self.state_dtype} needs zero_optimization.offload_optimizer."
+            raise ConfigError(f"{_named(offload.state_dtype, 'state_dtype', 'bf16.bf16_optimizer_states')} "
+                              f"needs zero_optimization.offload_optimizer."
                               "device cpu or nvme: on the accelerator the optimizer is torch's AdamW, with fp32 moments")
         if offload.delayed_update and offload.device == "none":
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
@@ -220,14 +236,21 @@ class Config:
         return given or ("bfloat16" if self.bf16.bf16_optimizer_states else "float32")
 
     @property
-    def _state_dtype_key(self) -> str:
-        if self.zero_optimization.offload_optimizer.state_dtype:
-            return "zero_optimization.offload_optimizer.state_dtype"
-        return "bf16.bf16_optimizer_states: true means state_dtype"
+    def master_dtype(self) -> str:
+        """The master weights' storage dtype (Note [state format])."""
+        given = self.zero_optimization.offload_optimizer.master_dtype
+        return given or ("bfloat16" if self.bf16.bf16_master_weights_and_grads else "float32")
 
     @property
     def compute_dtype_name(self) -> str:
         return "bfloat16" if self.bf16.enabled else "float16" if self.fp16.enabled else "float32"
+
+
+def _named(given: str | None, key: str, deepspeed_key: str) -> str:
+    """How an error names a bf16 storage setting: by the key the user wrote."""
+    if given:
+        return f"zero_optimization.offload_optimizer.{key} {given}"
+    return f"{deepspeed_key} (offload_optimizer.{key} bfloat16)"
 
 
 # DeepSpeed keys that only tune DeepSpeed's own machinery: accepted, warned about once.
@@ -279,6 +302,8 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
+        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and c.gradient_accumulation_steps > 1,
+         "its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master weights are bf16"),
         ("zero_optimization.offload_optimizer.overlap_step", oo.overlap_step and (oo.device == "none" or z.stage == 1),
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "
          "after backward)"),

@@ -18,7 +18,7 @@ without accumulation, else 4: Note [owned gradient dtype]), a accumulation
 steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
 swap files of b bytes be in flight (``store.pool_bytes``), and o the
 optimizer bytes per element off the accelerator (Note [state format]: 12
-with float32 moments, 8 with bfloat16):
+with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
   weights        stages 1-2: d*P on the accelerator (replicated);
                  stage 3: d*n in the weight tier (with weights on nvme, the
                  first max_in_cpu elements in host memory instead), plus, on
@@ -151,14 +151,15 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1,
-             state_dtype: str | None = None) -> Estimate:
+             state_dtype: str | None = None, master_dtype: str | None = None) -> Estimate:
     """Note [estimate terms] for one setup; ``config`` gives the dtypes and
-    buffer sizes, ``state_dtype`` (if given) the moments' dtype instead."""
+    buffer sizes, ``state_dtype`` and ``master_dtype`` (if given) the
+    optimizer state's instead."""
     zero = config.zero_optimization
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
-    o = StateFormat.named(state_dtype or config.state_dtype).bytes_per_element
+    o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype).bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)

@@ -73,23 +73,25 @@ def test_hand_computed_offload_cases():
     assert e.per_rank["device"]["gradient buckets"] == 2 * 51_200_000  # the largest parameter has a bucket of its own
 
 
-SETUP_CASES = [(setup, "float32") for setup in all_setups()]
-SETUP_CASES += [(setup, "bfloat16") for setup in all_setups() if setup.optimizer != "none"]
+SETUP_CASES = [(setup, "float32", "float32") for setup in all_setups()]
+SETUP_CASES += [(setup, "bfloat16", master) for setup in all_setups() if setup.optimizer != "none"
+                for master in ("float32", "bfloat16")]
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
-@pytest.mark.parametrize("setup,state_dtype", SETUP_CASES,
+@pytest.mark.parametrize("setup,state_dtype,master_dtype", SETUP_CASES,
                          ids=lambda v: v.name.replace(", ", "-").replace(" ", "") if isinstance(v, Setup) else v)
-def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup, state_dtype):
+def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup, state_dtype, master_dtype):
     """Per tier, the estimate lies within 10% (+64 KiB of headers) of the peak
     the engine's memory report gives, and so do the bytes read and written per
-    step, for fp32 and bf16 Adam moments."""
+    step, for every optimizer state format."""
     c = SIZES["small"]
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             "stage3_max_live_parameters": 200_000,
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
                                   "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme",
-                                  **({"state_dtype": state_dtype} if setup.optimizer != "none" else {})}}
+                                  **({"state_dtype": state_dtype, "master_dtype": master_dtype}
+                                     if setup.optimizer != "none" else {})}}
     if setup.stage == 3:
         zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
     config = offload.Config.load({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})

@@ -18,6 +18,8 @@ from offload import Config
 from offload.cli.args import byte_size, count, gpt_config, positive_int
 from offload.errors import UsageError
 from offload.optim.state_format import STATE_DTYPES, StateFormat
+
+FORMATS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16")]  # (master, moments)
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 
 
@@ -34,6 +36,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="engine config for dtype and buffer sizes (default: bf16, defaults)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=None,
                    help="Adam moments' dtype off the accelerator (default: the config's, else float32)")
+    p.add_argument("--master-dtype", choices=sorted(STATE_DTYPES), default=None,
+                   help="master weights' dtype off the accelerator (default: the config's, else float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -61,22 +65,24 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus % args.nodes:
         raise UsageError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the same GPUs per node")
     shape, config = model_shape(args), load_config(args.config)
-    state_dtype = args.state_dtype or config.state_dtype
+    state_dtype, master_dtype = args.state_dtype or config.state_dtype, args.master_dtype or config.master_dtype
     rows = []
     for setup in all_setups(args.stage):
-        e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype)
+        e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype)
         check_fits(e, args.gpu_mem, args.cpu_mem, args.nvme_free)
         rows.append(e)
     paper = zero_model_states(shape.params, args.gpus)
     if args.json:
         print(json.dumps({"params": shape.params, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
                           "compute_dtype": config.compute_dtype_name, "state_dtype": state_dtype,
-                          "optimizer_bytes_per_param": {name: StateFormat.named(name).bytes_per_element
-                                                        for name in STATE_DTYPES},
+                          "master_dtype": master_dtype,
+                          "optimizer_bytes_per_param": {f"{master} master, {moments} moments":
+                                                        StateFormat.named(moments, master).bytes_per_element
+                                                        for master, moments in FORMATS},
                           "limits": {"gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "nvme_free": args.nvme_free},
                           "zero_model_states_per_gpu": paper, "setups": [e.to_json() for e in rows]}, indent=1))
     else:
-        print(report(shape, args, config, state_dtype, paper, rows))
+        print(report(shape, args, config, f"{master_dtype} master, {state_dtype} moments", paper, rows))
     return 0
 
 
@@ -84,15 +90,16 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
 
 
-def report(shape: ModelShape, args, config: Config, state_dtype: str, paper: dict, rows: list) -> str:
+def report(shape: ModelShape, args, config: Config, state_format: str, paper: dict, rows: list) -> str:
     lines = [f"offload estimate: {shape.params / 1e9:.3g}B parameters ({shape.source}), {args.gpus} GPU(s) on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
              f"accumulation {config.gradient_accumulation_steps}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
              + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()),
-             "Optimizer state off the accelerator, bytes per parameter (fp32 master + Adam moments, --state-dtype): "
-             + ", ".join(f"{name} {StateFormat.named(name).bytes_per_element}" for name in STATE_DTYPES)
-             + f"; below: {state_dtype}", ""]
+             "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "
+             + ", ".join(f"{master} master and {moments} moments {StateFormat.named(moments, master).bytes_per_element}"
+                         for master, moments in FORMATS)
+             + f"; below: {state_format}", ""]
     header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
     lines += [header, "-" * len(header)]
     for e in rows:

@@ -24,7 +24,7 @@ from offload.optim.hyper import AdamHyper, require
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_THREADS = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available_cores() -> int:
@@ -60,26 +60,34 @@ def adam_step(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     threads: int | None = None,
+    sr_key: int | None = None,
 ) -> None:
     """Update ``param``, ``exp_avg`` and ``exp_avg_sq`` in place for Adam step ``step`` (1-based).
 
     The gradient (fp32, bf16 or fp16) is multiplied by ``grad_scale`` first, so
     loss-scale unscaling and clipping cost no extra pass. If ``out`` (bf16 or
     fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
-    The moments are fp32 or both bf16 (Note [bit-identical Adam]).
+    The moments are fp32 or both bf16 (Note [bit-identical Adam]). ``param``
+    is fp32, or bf16 rounded stochastically with the noise of ``sr_key``
+    (Note [stochastic rounding]; ``stochastic.step_key``).
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    require((sr_key is not None) == (param.dtype == torch.bfloat16) and (sr_key is None or 0 <= sr_key < 2**32),
+            f"sr_key must be a 32-bit key exactly when param is bf16 (param {param.dtype}, sr_key {sr_key!r})")
+    require(param.dtype == torch.float32 or param.numel() <= 2**32,
+            f"bf16 master weights take at most 2**32 elements per call, got {param.numel()}")
     require(isinstance(step, int) and 1 <= step < 2**62, f"step must be an int in [1, 2**62) (the first step is 1), got {step!r}")
     require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
     require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
              f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     if not _native.status().available:
         warn_fallback_once()
-        adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out)
+        adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key)
         return
     _native.check(
         _native.lib().offload_adam_step(
-            param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype],
+            param.data_ptr(), _DTYPE_CODES[param.dtype], sr_key or 0,
+            exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype],
             grad.data_ptr(), _DTYPE_CODES[grad.dtype],
             out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
             param.numel(),
@@ -100,7 +108,7 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
         require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
         require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
         require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
-    require(param.dtype == torch.float32, f"param must be float32, got {param.dtype}")
+    require(param.dtype in MASTER_DTYPES, f"param must be float32 or bfloat16, got {param.dtype}")
     require(exp_avg.dtype in MOMENT_DTYPES and exp_avg_sq.dtype == exp_avg.dtype,
             f"exp_avg and exp_avg_sq must both be float32 or both bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from offload.optim.hyper import AdamHyper
+from offload.optim.stochastic import round_to_bf16
 
 
 def adam_step_torch(
@@ -25,6 +26,7 @@ def adam_step_torch(
     step: int,
     grad_scale: float,
     out: torch.Tensor | None,
+    sr_key: int | None = None,
 ) -> None:
     # Python floats: torch rounds each to fp32 exactly as the kernel's static_cast<float> does.
     if hyper.bias_correction:
@@ -34,6 +36,7 @@ def adam_step_torch(
         step_size, inv_bc2_sqrt = hyper.lr, 1.0
     decay = hyper.weight_decay != 0
 
+    master, param = param, param.float()  # a bf16 master is widened, stepped, and rounded back below
     g = grad.float() * grad_scale
     if decay and not hyper.decoupled:
         g = g + param * hyper.weight_decay
@@ -47,6 +50,9 @@ def adam_step_torch(
     if exp_avg.dtype != torch.float32:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
+    if master.dtype == torch.bfloat16:
+        master.copy_(round_to_bf16(param, sr_key))
+        param = master
     if out is not None:
         out.copy_(param)
 

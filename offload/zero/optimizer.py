@@ -30,6 +30,7 @@ from offload.errors import PoolExhausted
 from offload.optim.adam import adam_step, default_threads
 from offload.optim.hyper import AdamHyper
 from offload.optim.state_format import StateFormat
+from offload.optim.stochastic import step_key
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
@@ -191,7 +192,7 @@ class StoreOptimizer(ShardOptimizer):
         buffers = offload.buffer_count if self.tier == "nvme" else 1
         self.read_ahead = max(1, buffers - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
-        self.format = StateFormat.named(config.state_dtype)
+        self.format = StateFormat.named(config.state_dtype, config.master_dtype)
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
             pinned_limit_bytes=pool_bytes([self.format.nbytes(self.groups.largest)], buffers),
@@ -207,6 +208,10 @@ class StoreOptimizer(ShardOptimizer):
     @staticmethod
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
+
+    def _sr_key(self, step: int, i: int) -> int | None:
+        """Sub-group i's rounding key at ``step`` for a bf16 master (Note [stochastic rounding])."""
+        return step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
 
     def _views(self, i: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lo, hi = self.groups[i]
@@ -266,7 +271,8 @@ class StoreOptimizer(ShardOptimizer):
             def update(target: torch.Tensor) -> None:
                 start = time.perf_counter()
                 adam_step(master, g, exp_avg, exp_avg_sq, hyper, self.step_count, grad_scale=grad_scale,
-                          out=target if low_precision else None, threads=self.threads)
+                          out=target if low_precision else None, threads=self.threads,
+                          sr_key=self._sr_key(self.step_count, i))
                 if not low_precision:
                     target.copy_(master)
                 self.times.adam += time.perf_counter() - start
@@ -295,7 +301,8 @@ class StoreOptimizer(ShardOptimizer):
         master, exp_avg, exp_avg_sq = self._views(i, buffer)
         low_precision = weights.dtype != torch.float32
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, self.step_count + 1, grad_scale=grad_scale,
-                  out=weights if low_precision else None, threads=self.threads)
+                  out=weights if low_precision else None, threads=self.threads,
+                  sr_key=self._sr_key(self.step_count + 1, i))
         if not low_precision:
             weights.copy_(master)
         self.store.release([self._key(i)], dirty=True)

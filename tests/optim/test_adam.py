@@ -11,6 +11,7 @@ from offload import _native
 from offload.optim import AdamHyper, adam_step, grad_stats
 from offload.optim import adam as adam_module
 from offload.optim.adam_fallback import adam_step_torch
+from offload.optim.stochastic import round_to_bf16, step_key
 
 SIZES = [1, 7, 31, 1000003]  # none a multiple of the SIMD width but 1
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -86,17 +87,20 @@ def test_grad_scale_equals_scaled_gradient():
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, decoupled, moment_dtype, restore_isa):
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, decoupled, moment_dtype, master_dtype,
+                                                   restore_isa):
     _native.set_adam_isa(isa)
     n = 100_003
     hyper = AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=decoupled, bias_correction=not decoupled)
-    native = [torch.randn(n), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)]
+    native = [torch.randn(n).to(master_dtype), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)]
     fallback = [t.clone() for t in native]
     outs = [torch.empty(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
     for step in range(1, 6):
         grad = torch.randn(n).to(grad_dtype)
-        adam_step(native[0], grad, native[1], native[2], hyper, step, grad_scale=0.5, out=outs[0])
-        adam_step_torch(fallback[0], grad, fallback[1], fallback[2], hyper, step, 0.5, outs[1])
+        key = step_key(step, 3) if master_dtype == torch.bfloat16 else None
+        adam_step(native[0], grad, native[1], native[2], hyper, step, grad_scale=0.5, out=outs[0], sr_key=key)
+        adam_step_torch(fallback[0], grad, fallback[1], fallback[2], hyper, step, 0.5, outs[1], key)
     for a, b in zip(native + outs, fallback + outs[1:] + [None]):
         if b is not None:
             assert torch.equal(a, b)
@@ -117,6 +121,37 @@ def test_bf16_moments_are_the_fp32_ones_rounded_and_the_weights_use_fp32(impl):
     assert torch.equal(narrow[0], wide[0])
     assert torch.equal(narrow[1], wide[1].bfloat16()) and torch.equal(narrow[2], wide[2].bfloat16())
     assert not torch.equal(narrow[1].float(), wide[1])  # the rounding is real
+
+
+def test_stochastic_rounding_is_unbiased_and_keyed():
+    """Note [stochastic rounding]: a value 30% of the way from one bf16 to the
+    next rounds up 30% of the time, the mean stays the value, the same key
+    draws the same bits and another key others."""
+    low = torch.tensor(1.0).bfloat16()
+    gap = torch.tensor(1.0078125)  # the next bf16 above 1
+    x = torch.full((1_000_000,), 1.0 + 0.3 * (gap.item() - 1.0))
+    rounded = round_to_bf16(x, step_key(7, 0))
+    assert set(rounded.unique().tolist()) == {low.item(), gap.item()}
+    up = (rounded == gap.bfloat16()).double().mean().item()
+    assert abs(up - 0.3) < 0.003 and abs(rounded.double().mean().item() - x[0].item()) < 1e-5
+    assert torch.equal(rounded, round_to_bf16(x, step_key(7, 0)))
+    assert not torch.equal(rounded, round_to_bf16(x, step_key(8, 0)))
+    assert not torch.equal(rounded, round_to_bf16(x, step_key(7, 1)))
+    negative = round_to_bf16(-x, step_key(7, 0))
+    assert torch.equal(negative, -rounded)  # magnitudes round alike whatever the sign
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    out = round_to_bf16(special, 5)
+    assert out[0].isnan() and torch.equal(out[1:].float().view(torch.int32), special[1:].view(torch.int32))
+
+
+@requires_native
+def test_bf16_master_copy_out_is_the_stored_master():
+    n = 10_007
+    master = torch.randn(n).bfloat16()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    adam_step(master, torch.randn(n), torch.zeros(n), torch.zeros(n), AdamHyper(lr=1e-2), 1, out=out,
+              sr_key=step_key(1, 0))
+    assert torch.equal(out.view(torch.int16), master.view(torch.int16))
 
 
 def _awkward_floats(n: int) -> torch.Tensor:
@@ -243,15 +278,16 @@ def test_native_checks_what_it_is_given():
     p = buf.data_ptr()
     common = (0.001, 0.9, 0.999, 1e-8, 0.0, 1, 1, 1, 1.0, 1)
     cases = {
-        "overlap": ((p, p + 64, p + 512, 0, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
-        "null": ((None, p, p + 256, 0, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
-        "misaligned": ((p + 1, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
-        "grad dtype code": ((p, p + 256, p + 512, 0, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
-        "out dtype code": ((p, p + 256, p + 512, 0, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
-        "negative n": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, -1) + common, "n must be in"),
-        "bad beta": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
-        "negative threads": ((p, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
-        "moment dtype code": ((p, p + 256, p + 512, 2, p + 768, 0, None, 0, 8) + common, "moment dtype code 2"),
+        "overlap": ((p, 0, 0, p + 64, p + 512, 0, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
+        "null": ((None, 0, 0, p, p + 256, 0, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
+        "misaligned": ((p + 1, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
+        "grad dtype code": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
+        "out dtype code": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
+        "negative n": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, -1) + common, "n must be in"),
+        "bad beta": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
+        "negative threads": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
+        "moment dtype code": ((p, 0, 0, p + 256, p + 512, 2, p + 768, 0, None, 0, 8) + common, "moment dtype code 2"),
+        "param dtype code": ((p, 2, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param dtype code 2"),
     }
     for args, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):

@@ -41,7 +41,9 @@ def test_train_end_to_end(tmp_path, capsys):
     assert len(s["losses"]) == 8
     assert s["losses"][-1] < s["losses"][0] - 0.2 and s["eval_loss_end"] < s["eval_loss_start"] - 0.2
     assert s["tokens_per_s"] > 0 and set(s["seconds_per_step"]) == {"wall", "compute", "optimizer", "swap", "other"}
-    assert s["disk_bytes_per_step"]["bytes_read"] > 0 and s["bytes_per_tier"]["nvme"] > 0  # the state was on disk
+    # The state was on disk. (Reads can be 0: a sub-group whose write-back is still
+    # in flight when the next step wants it is taken from its buffer, not reread.)
+    assert s["disk_bytes_per_step"]["bytes_written"] > 0 and s["bytes_per_tier"]["nvme"] > 0
     assert s["config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
     assert (out / "loss.png").read_bytes()[:8] == PNG
     assert os.listdir(nvme) == []

@@ -97,7 +97,7 @@ def main() -> None:
           f"16 B/param: {16 * params / 2**30:.1f} GiB ({16 * params / ram:.1f}x this machine's "
           f"{ram / 2**30:.1f} GiB of RAM); {args.compute} compute, {args.master_dtype} master, "
           f"{args.state_dtype} moments", flush=True)
-    expected = estimate(ModelShape.from_gpt(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
+    expected = estimate(ModelShape.from_config(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
     free = shutil.disk_usage(args.nvme_path).free
     print(f"offload estimate: {expected.node['nvme'] / 1e9:.1f} GB on disk ({free / 1e9:.1f} GB free), "
           f"{expected.node['host'] / 1e9:.2f} GB host, {expected.disk_read_per_step / 1e9:.1f} GB read and "

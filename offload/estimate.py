@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 
 from offload.config import Config
 from offload.models.gpt import GPTConfig
+from offload.models.llama import LlamaConfig
 from offload.optim.state_format import StateFormat
 from offload.store import pool_bytes
 from offload.zero.layout import ALIGN
@@ -88,7 +89,8 @@ class ModelShape:
         return sum(n for n in self.sizes if n <= threshold)
 
     @staticmethod
-    def from_gpt(c: GPTConfig) -> ModelShape:
+    def from_config(c: GPTConfig | LlamaConfig) -> ModelShape:
+        """The shape of a bundled model's config (anything with ``param_sizes()``)."""
         sizes = c.param_sizes()
         return ModelShape(sum(sizes), max(sizes), "model config", tuple(sizes))
 

@@ -107,7 +107,7 @@ def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup, state_
     report = engine.memory_report()
     engine.close()
     peak = {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")}
-    e = estimate(ModelShape.from_gpt(c), setup, config, 1)
+    e = estimate(ModelShape.from_config(c), setup, config, 1)
     for tier, measured in peak.items():
         assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
     for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
@@ -194,7 +194,7 @@ def test_the_estimate_splits_weights_by_max_in_cpu_as_the_engine_does(tmp_path, 
     """A prefix of whole parameter parts stays in host memory, in both: the
     estimate's host bytes and disk reads follow the engine's split."""
     c = SIZES["small"]
-    shape = ModelShape.from_gpt(c)
+    shape = ModelShape.from_config(c)
     max_in_cpu = int(share * shape.params)
     cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": max_in_cpu}}}

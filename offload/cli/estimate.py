@@ -52,7 +52,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_shape(args: argparse.Namespace) -> ModelShape:
     if args.params is not None:
         return ModelShape.from_count(args.params)
-    return ModelShape.from_gpt(gpt_config(args.model_config))
+    return ModelShape.from_config(gpt_config(args.model_config))
 
 
 def load_config(path: str | None) -> Config:

@@ -42,7 +42,8 @@ def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
     T, D = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
     angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 

@@ -209,9 +209,19 @@ class StoreOptimizer(ShardOptimizer):
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
 
-    def _sr_key(self, step: int, i: int) -> int | None:
-        """Sub-group i's rounding key at ``step`` for a bf16 master (Note [stochastic rounding])."""
-        return step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
+    def _adam(self, i: int, buffer: torch.Tensor, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, step: int,
+              target: torch.Tensor) -> None:
+        """Adam step ``step`` of sub-group i, whose state is ``buffer``; its new
+        weights go to ``target`` in the compute dtype (in the same pass, when
+        that is a low precision). A bf16 master is rounded with the key of
+        (step, i) (Note [stochastic rounding])."""
+        master, exp_avg, exp_avg_sq = self._views(i, buffer)
+        low_precision = target.dtype != torch.float32
+        sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
+        adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
+                  out=target if low_precision else None, threads=self.threads, sr_key=sr_key)
+        if not low_precision:
+            target.copy_(master)
 
     def _views(self, i: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lo, hi = self.groups[i]
@@ -250,7 +260,6 @@ class StoreOptimizer(ShardOptimizer):
         self.times = StepTimes()
         hyper = hyper or self.hyper
         stepped = stepped or {}
-        low_precision = weights.dtype != torch.float32
         # Sub-groups already being read first: their reads hold pool buffers the others need.
         todo = sorted((i for i in range(len(self.groups)) if i not in stepped),
                       key=lambda i: (self.store.state(self._key(i)) not in (State.READING, State.RESIDENT), i))
@@ -264,17 +273,13 @@ class StoreOptimizer(ShardOptimizer):
                 self.store.prefetch(self._key(j) for j in ahead)
                 grad.prefetch(ahead)
             start = time.perf_counter()
-            master, exp_avg, exp_avg_sq = self._views(i, self.store.get([self._key(i)])[0])
+            (buffer,) = self.store.get([self._key(i)])
             g = grad.read(i)
             self.times.swap_wait += time.perf_counter() - start
 
             def update(target: torch.Tensor) -> None:
                 start = time.perf_counter()
-                adam_step(master, g, exp_avg, exp_avg_sq, hyper, self.step_count, grad_scale=grad_scale,
-                          out=target if low_precision else None, threads=self.threads,
-                          sr_key=self._sr_key(self.step_count, i))
-                if not low_precision:
-                    target.copy_(master)
+                self._adam(i, buffer, g, grad_scale, hyper, self.step_count, target)
                 self.times.adam += time.perf_counter() - start
 
             self._hand_over(weights, lo, hi, update)
@@ -298,13 +303,7 @@ class StoreOptimizer(ShardOptimizer):
         except PoolExhausted:
             return False
         backup.copy_(buffer)
-        master, exp_avg, exp_avg_sq = self._views(i, buffer)
-        low_precision = weights.dtype != torch.float32
-        adam_step(master, grad, exp_avg, exp_avg_sq, hyper, self.step_count + 1, grad_scale=grad_scale,
-                  out=weights if low_precision else None, threads=self.threads,
-                  sr_key=self._sr_key(self.step_count + 1, i))
-        if not low_precision:
-            weights.copy_(master)
+        self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
         self.store.release([self._key(i)], dirty=True)
         return True
 

@@ -29,7 +29,6 @@ the main thread hands it gradient parts and waits for it in ``step()``.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import time
 import warnings
 from collections import deque
@@ -141,14 +140,10 @@ class OverlappedStep:
     # -- at the boundary ---------------------------------------------------------------
 
     def gradient_stats(self) -> tuple[float, bool]:
-        """Note [gradient statistics], as ``InMemoryGradient.stats`` adds them: the
-        worker's sums for the sub-groups it completed, this thread's for the rest."""
+        """Note [gradient statistics]: the worker's sums for the sub-groups it
+        completed, this thread's for the rest."""
         self._join()
-        self.gradient.settle()
-        total = 0.0
-        for i, (lo, hi) in enumerate(self.optimizer.groups):
-            total += self._sums[i] if i in self._sums else sum_squares(self.gradient.tensor[lo:hi])
-        return total, math.isfinite(total)
+        return self.gradient.stats(known=self._sums)
 
     def _join(self) -> None:
         start = time.perf_counter()

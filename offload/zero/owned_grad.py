@@ -146,13 +146,18 @@ class InMemoryGradient:
                 self._touched[at] = lo
             at = max(at, hi)
 
-    def stats(self) -> tuple[float, bool]:
-        """Note [gradient statistics], sub-group by sub-group, added in order."""
+    def stats(self, known: dict[int, float] | None = None) -> tuple[float, bool]:
+        """Note [gradient statistics], sub-group by sub-group, added in order;
+        ``known``: sub-groups whose sums were already taken (Note [overlapped step])."""
         self.settle()
+        known = known or {}
         total = 0.0
-        for lo, hi in self.groups:
-            total += sum_squares(self.tensor[lo:hi]) if self.device.type == "cpu" else \
-                self.tensor[lo:hi].double().square().sum().item()
+        for i, (lo, hi) in enumerate(self.groups):
+            if i in known:
+                total += known[i]
+            else:
+                total += sum_squares(self.tensor[lo:hi]) if self.device.type == "cpu" else \
+                    self.tensor[lo:hi].double().square().sum().item()
         return total, math.isfinite(total)
 
     def prefetch(self, groups: Iterable[int]) -> None:

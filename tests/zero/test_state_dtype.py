@@ -37,9 +37,10 @@ TOLERANCE = 1.2e-4
 SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
 
 
-def _config(stage, device, param_device, nvme, accumulation=2, **offload_optimizer):
+def _config(stage, device, param_device, nvme, accumulation=2, bf16=False, **offload_optimizer):
     return config(stage, device, accumulation, nvme if "nvme" in (device, param_device) else None,
-                  param_device=param_device, offload_optimizer={"state_dtype": "bfloat16", **offload_optimizer})
+                  param_device=param_device, offload_optimizer={"state_dtype": "bfloat16", **offload_optimizer},
+                  **({"bf16": {"enabled": True}} if bf16 else {}))
 
 
 @pytest.mark.parametrize("stage,device,param_device", SETUPS)
@@ -108,8 +109,7 @@ def _optimizer_state(engine) -> list[torch.Tensor]:
 @pytest.mark.parametrize("stage,device,param_device,master_dtype",
                          [(2, "nvme", None, "float32"), (3, "nvme", "nvme", "float32"), (3, "nvme", "nvme", "bfloat16")])
 def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stage, device, param_device, master_dtype):
-    cfg = _config(stage, device, param_device, str(tmp_path / "nvme"), master_dtype=master_dtype)
-    cfg["bf16"] = {"enabled": True}
+    cfg = _config(stage, device, param_device, str(tmp_path / "nvme"), bf16=True, master_dtype=master_dtype)
     os.makedirs(tmp_path / "nvme")
     with train_engine(make_model(), 3, 2, cfg) as engine:
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag="a")
@@ -130,9 +130,8 @@ def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stag
 def test_the_overlapped_step_is_bitwise_the_plain_one(tmp_path, master_dtype):
     states = []
     for overlap in (False, True):
-        cfg = _config(2, "nvme", None, str(tmp_path), accumulation=1, overlap_step=overlap, buffer_count=8,
-                      master_dtype=master_dtype)
-        cfg["bf16"] = {"enabled": True}
+        cfg = _config(2, "nvme", None, str(tmp_path), accumulation=1, bf16=True, overlap_step=overlap,
+                      buffer_count=8, master_dtype=master_dtype)
         cfg["zero_optimization"]["reduce_bucket_size"] = 700
         cfg["gradient_clipping"] = 1e6  # a binding clip rolls every speculated step back
         with train_engine(make_model(), 6, 1, cfg) as engine:
@@ -169,8 +168,7 @@ MASTER_SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "nvme", "nvme")]
 
 @pytest.mark.parametrize("stage,device,param_device", MASTER_SETUPS)
 def test_a_bf16_master_trains_like_adamw_within_bf16_noise(tmp_path, stage, device, param_device):
-    cfg = _config(stage, device, param_device, str(tmp_path), master_dtype="bfloat16")
-    cfg["bf16"] = {"enabled": True}
+    cfg = _config(stage, device, param_device, str(tmp_path), bf16=True, master_dtype="bfloat16")
     ref = train_reference(make_model(), STEPS, 1, 2, config(stage, device, 2))
     with train_engine(make_model(), STEPS, 2, cfg) as engine:
         # Measured 5.7e-2 to 6.5e-2 (fp32 masters in bf16 compute: 6.5e-3); the weights move up to 6e-2.

@@ -6,6 +6,7 @@ state on NVMe in a temporary directory) with the default config plus the
 format:
   fp32          fp32 master and moments, fp32 compute (the baseline of bf16-moments)
   bf16-moments  bf16 moments (offload_optimizer.state_dtype)
+  int8-moments  8-bit block-scaled moments (state_dtype int8, Note [8-bit moments])
   bf16-compute  fp32 master and moments, bf16 compute (the baseline of bf16-master)
   bf16-master   bf16 master and moments (master_dtype, stochastic rounding), bf16 compute
 Prints each format's held-out loss, its ratio to its baseline's (the bound:
@@ -34,6 +35,7 @@ BOUND = 0.02
 FORMATS = {
     "fp32": (False, "float32", "float32", "fp32"),
     "bf16-moments": (False, "bfloat16", "float32", "fp32"),
+    "int8-moments": (False, "int8", "float32", "fp32"),
     "bf16-compute": (True, "float32", "float32", "bf16-compute"),
     "bf16-master": (True, "bfloat16", "bfloat16", "bf16-compute"),
 }
@@ -99,7 +101,7 @@ def main() -> int:
         _, state_dtype, master_dtype, baseline = FORMATS[name]
         ratio = s["eval_loss_end"] / runs[baseline]["eval_loss_end"] if baseline in runs else float("nan")
         verdict = f"{'within' if abs(ratio - 1) <= BOUND else 'OUTSIDE'} {BOUND:.0%} of {baseline}" if baseline != name else "baseline"
-        print(f"{name:14}{StateFormat.named(state_dtype, master_dtype).bytes_per_element:>12}"
+        print(f"{name:14}{StateFormat.named(state_dtype, master_dtype).bytes_per_element:>12.3g}"
               f"{s['eval_loss_end']:>15.4f}{ratio:>12.4f}{s['losses'][-1]:>18.4f}  {verdict}")
     path = os.path.join(args.out, "state_formats.png")
     plot(runs, path)

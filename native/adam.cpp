@@ -1,11 +1,13 @@
 // The C entry points of the CPU Adam: argument checks, ISA choice at run time,
 // and the OpenMP split of one step over threads.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "adam_args.h"
 #include "errors.h"
+#include "moment_codec.h"
 #include "parallel.h"
 
 namespace offload_native {
@@ -36,7 +38,7 @@ constexpr int64_t kMinPerThread = 1 << 15;
 // cache lines, and aligned streaming stores for the copy-out (adam_loop.h).
 constexpr int64_t kRangeAlign = 64;
 
-size_t dtype_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
+size_t dtype_size(int dtype) { return dtype == kFloat32 ? 4 : dtype == kBlockCodes8 ? 1 : 2; }
 
 bool valid_dtype(int dtype) { return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16; }
 
@@ -55,32 +57,39 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
   if (b.param_dtype == kBFloat16 && n > (int64_t{1} << 32))
     return fail("adam: bf16 master weights take at most 2^32 elements per call (their rounding noise is keyed by a "
                 "32-bit index), got %lld", static_cast<long long>(n));
-  if (b.moment_dtype != kFloat32 && b.moment_dtype != kBFloat16)
-    return fail("adam: moment dtype code %d is not 0 (fp32) or 1 (bf16)", b.moment_dtype);
+  if (b.moment_dtype != kFloat32 && b.moment_dtype != kBFloat16 && b.moment_dtype != kBlockCodes8)
+    return fail("adam: moment dtype code %d is not 0 (fp32), 1 (bf16) or 3 (8-bit block codes)", b.moment_dtype);
   if (b.out != nullptr && b.out_dtype != kBFloat16 && b.out_dtype != kFloat16)
     return fail("adam: out dtype code %d is not 1 (bf16) or 2 (fp16)", b.out_dtype);
   if (n == 0) return 0;
   const size_t elements = static_cast<size_t>(n);
+  const size_t blocks = (elements + kQuantBlock - 1) / kQuantBlock;
+  const bool codes = b.moment_dtype == kBlockCodes8;
   const struct {
     const char* name;
     const void* ptr;
     size_t element_size;
-  } buffers[5] = {
-      {"param", b.param, dtype_size(b.param_dtype)},
-      {"exp_avg", b.exp_avg, dtype_size(b.moment_dtype)},
-      {"exp_avg_sq", b.exp_avg_sq, dtype_size(b.moment_dtype)},
-      {"grad", b.grad, dtype_size(b.grad_dtype)}, {"out", b.out, 2},
+    size_t count;
+    bool used;
+  } buffers[7] = {
+      {"param", b.param, dtype_size(b.param_dtype), elements, true},
+      {"exp_avg", b.exp_avg, dtype_size(b.moment_dtype), elements, true},
+      {"exp_avg_sq", b.exp_avg_sq, dtype_size(b.moment_dtype), elements, true},
+      {"grad", b.grad, dtype_size(b.grad_dtype), elements, true},
+      {"exp_avg_scale", b.exp_avg_scale, 4, blocks, codes},
+      {"exp_avg_sq_scale", b.exp_avg_sq_scale, 4, blocks, codes},
+      {"out", b.out, 2, elements, b.out != nullptr},
   };
-  const int count = b.out != nullptr ? 5 : 4;
-  Span spans[5];
-  for (int i = 0; i < count; ++i) {
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(buffers[i].ptr);
-    const size_t bytes = buffers[i].element_size * elements;
-    if (begin == 0) return fail("adam: %s is a null pointer", buffers[i].name);
-    if (begin % buffers[i].element_size != 0)
-      return fail("adam: %s is not %zu-byte aligned", buffers[i].name, buffers[i].element_size);
-    if (begin + bytes < begin) return fail("adam: %s wraps around the address space", buffers[i].name);
-    spans[i] = {buffers[i].name, begin, begin + bytes};
+  Span spans[7];
+  int count = 0;
+  for (const auto& buffer : buffers) {
+    if (!buffer.used) continue;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(buffer.ptr);
+    const size_t bytes = buffer.element_size * buffer.count;
+    if (begin == 0) return fail("adam: %s is a null pointer", buffer.name);
+    if (begin % buffer.element_size != 0) return fail("adam: %s is not %zu-byte aligned", buffer.name, buffer.element_size);
+    if (begin + bytes < begin) return fail("adam: %s wraps around the address space", buffer.name);
+    spans[count++] = {buffer.name, begin, begin + bytes};
   }
   for (int i = 0; i < count; ++i)
     for (int j = i + 1; j < count; ++j)
@@ -131,6 +140,34 @@ void run_range(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin
   adam_range_scalar(b, c, body_end, end);
 }
 
+// Note [8-bit moments]: each block decoded into fp32 buffers, stepped there by
+// the ISA kernel, and encoded back. begin is a multiple of kQuantBlock.
+void run_blocks(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
+  alignas(64) float exp_avg[kQuantBlock];
+  alignas(64) float exp_avg_sq[kQuantBlock];
+  auto* m_codes = static_cast<uint8_t*>(b.exp_avg);
+  auto* s_codes = static_cast<uint8_t*>(b.exp_avg_sq);
+  auto at = [](void* base, int dtype, int64_t i) -> void* {
+    return base == nullptr ? nullptr : static_cast<char*>(base) + i * static_cast<int64_t>(dtype_size(dtype));
+  };
+  for (int64_t lo = begin; lo < end; lo += kQuantBlock) {
+    const int64_t len = std::min(kQuantBlock, end - lo), block = lo / kQuantBlock;
+    decode_moments(m_codes + lo, b.exp_avg_scale[block], s_codes + lo, b.exp_avg_sq_scale[block], len, exp_avg,
+                   exp_avg_sq);
+    AdamBuffers local = b;
+    local.param = at(b.param, b.param_dtype, lo);
+    local.grad = at(const_cast<void*>(b.grad), b.grad_dtype, lo);
+    local.out = at(b.out, b.out_dtype, lo);
+    local.exp_avg = exp_avg;
+    local.exp_avg_sq = exp_avg_sq;
+    local.moment_dtype = kFloat32;
+    local.index_base = b.index_base + lo;
+    run_range(isa, local, c, 0, len);
+    encode_moments(exp_avg, exp_avg_sq, len, m_codes + lo, &b.exp_avg_scale[block], s_codes + lo,
+                   &b.exp_avg_sq_scale[block]);
+  }
+}
+
 }  // namespace
 }  // namespace offload_native
 
@@ -152,17 +189,23 @@ OFFLOAD_API int offload_set_adam_isa(int isa) {
 }
 
 OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key, void* exp_avg, void* exp_avg_sq,
-                                  int moment_dtype, const void* grad, int grad_dtype, void* out, int out_dtype,
+                                  int moment_dtype, float* exp_avg_scale, float* exp_avg_sq_scale, const void* grad, int grad_dtype, void* out, int out_dtype,
                                   int64_t n, double lr, double beta1, double beta2,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
                                   double grad_scale, int threads) {
-  const AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, grad, grad_dtype, out, out_dtype};
+  const AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, exp_avg_scale, exp_avg_sq_scale,
+                      grad, grad_dtype, out, out_dtype};
   AdamConsts c;
   if (check_buffers(b, n) != 0) return -1;
   if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)
     return -1;
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
   const int isa = g_isa.load();
+  if (b.moment_dtype == kBlockCodes8) {
+    parallel_ranges(n, threads, kMinPerThread, kQuantBlock,
+                    [&](int64_t begin, int64_t end) { run_blocks(isa, b, c, begin, end); });
+    return 0;
+  }
   parallel_ranges(n, threads, kMinPerThread, kRangeAlign,
                   [&](int64_t begin, int64_t end) { run_range(isa, b, c, begin, end); });
   return 0;

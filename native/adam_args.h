@@ -22,6 +22,9 @@
 // v are rounded to nearest even only when stored. The new weights use the fp32
 // m and v of this step, not their rounded copies.
 //
+// The moments may also be stored in 8 bits (Note [8-bit moments]): adam.cpp
+// decodes one block into fp32 buffers, runs this sequence on it and encodes it.
+//
 // The master weights may be stored in bf16 (offload_optimizer.master_dtype):
 // widened on load like the moments, and the new value rounded stochastically
 // when stored (Note [stochastic rounding]); the low-precision copy-out then
@@ -37,7 +40,7 @@
 
 namespace offload_native {
 
-enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kBlockCodes8 = 3 /* moments only */ };
 
 // The fp32 constants of Note [bit-identical Adam], derived once per call from
 // the double-precision hyper-parameters.
@@ -80,11 +83,14 @@ struct AdamBuffers {
   uint32_t sr_key;   // for param_dtype kBFloat16
   void* exp_avg;
   void* exp_avg_sq;
-  int moment_dtype;  // kFloat32 or kBFloat16
+  int moment_dtype;  // kFloat32, kBFloat16, or kBlockCodes8 (then uint8 codes)
+  float* exp_avg_scale;     // kBlockCodes8: one scale per block (moment_codec.h)
+  float* exp_avg_sq_scale;
   const void* grad;
   int grad_dtype;  // Dtype
   void* out;       // nullptr: no low-precision copy
   int out_dtype;   // kBFloat16 or kFloat16 when out != nullptr
+  int64_t index_base = 0;  // element i of these buffers is element index_base + i of the call
 };
 
 // Each updates elements [begin, end). The vector kernels require

@@ -55,7 +55,7 @@ void adam_loop(const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t
     if constexpr (std::is_same_v<ParamT, float>) {
       V::store(p + i, pi);
     } else {
-      pi = V::round_stochastic(pi, b.sr_key, static_cast<uint32_t>(i));  // exactly a bf16 value now
+      pi = V::round_stochastic(pi, b.sr_key, static_cast<uint32_t>(b.index_base + i));  // exactly a bf16 value now
       V::template store_out<false>(p + i, pi);
     }
     store_moment<V>(m + i, mi);

@@ -1,24 +1,11 @@
 // Portable Adam kernel: any x86-64 (or other) CPU, and the tails of the
 // vector kernels. Conversions are done in integer arithmetic so that they
 // round exactly as torch's Tensor.to(bfloat16 / float16) does.
-#include <cstring>
-
 #include "adam_loop.h"
+#include "float_bits.h"
 
 namespace offload_native {
 namespace {
-
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // Round to nearest even; NaN becomes 0xffff, as torch's vectorised conversion writes it.
 inline uint16_t float_to_bf16(float f) {

@@ -105,9 +105,10 @@ class OffloadOptimizerConfig:
                             "(exact); holds up to buffer_count sub-groups' state copies")
     delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
     state_dtype: str | None = _f(None, "device cpu or nvme: Adam's moments stored as float32 (12 bytes per "
-                                 "parameter with the fp32 master) or bfloat16 (8), computed in fp32 either way; "
-                                 "unset: float32, or bfloat16 under bf16.bf16_optimizer_states",
-                                 choices=("float32", "bfloat16"))
+                                 "parameter with the fp32 master), bfloat16 (8) or int8 (6: 8-bit codes with a "
+                                 "scale per 2048 elements), computed in fp32 in every case; unset: float32, or "
+                                 "bfloat16 under bf16.bf16_optimizer_states",
+                                 choices=("float32", "bfloat16", "int8"))
     master_dtype: str | None = _f(None, "device cpu or nvme, bf16 compute: the master weights stored as float32 (4 "
                                   "bytes per parameter) or bfloat16 (2), rounded stochastically; unset: float32, or "
                                   "bfloat16 under bf16.bf16_master_weights_and_grads", choices=("float32", "bfloat16"))

@@ -18,7 +18,7 @@ from offload.zero.layout import FlatLayout, SubGroups
 
 BENCH_KEYS = {
     "offload_params_per_s", "torch_fused_params_per_s", "torch_foreach_params_per_s",
-    "offload_mixed_params_per_s", "torch_mixed_params_per_s", "stream_copy_gbps",
+    "offload_mixed_params_per_s", "torch_mixed_params_per_s", "offload_codes_params_per_s", "stream_copy_gbps",
     "stream_triad_gbps", "offload_gbps", "max_rel_err",
 }
 
@@ -34,6 +34,9 @@ def test_bench_adam_json_has_every_figure(capsys):
     approx = lambda key, value: pytest.approx(value, rel=1e-9)  # noqa: E731
     assert result["offload_gbps"] == approx("", bench_adam.FP32_BYTES * result["offload_params_per_s"] / 1e9)
     assert result["offload_mixed_gbps"] == approx("", bench_adam.MIXED_BYTES * result["offload_mixed_params_per_s"] / 1e9)
+    assert result["offload_codes_gbps"] == approx("", bench_adam.CODES_BYTES * result["offload_codes_params_per_s"] / 1e9)
+    assert result["offload_codes_vs_offload"] == approx(
+        "", result["offload_codes_params_per_s"] / result["offload_params_per_s"])
     assert result["offload_vs_fused"] == approx("", result["offload_params_per_s"] / result["torch_fused_params_per_s"])
     assert result["offload_vs_foreach"] == approx("", result["offload_params_per_s"] / result["torch_foreach_params_per_s"])
     assert result["offload_mixed_vs_torch_mixed"] == approx(

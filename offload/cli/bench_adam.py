@@ -6,6 +6,8 @@ machine hits every contender alike), it times:
   - the ZeRO-Offload step (bf16 gradient in, fp32 master/m/v, bf16 weights out):
     our kernel in one pass, and torch's grad.float() + fused AdamW + param.to(bf16)
     (into preallocated buffers, torch's best case);
+  - our kernel with 8-bit moments (Note [8-bit moments]), fp32 otherwise,
+    against itself with fp32 moments;
   - STREAM copy and triad with the same thread count.
 Reported figures are medians over the rounds after one warm-up round.
 """
@@ -27,18 +29,20 @@ from offload.cli.args import count, positive_int
 from offload.errors import UsageError
 from offload.optim.adam import adam_step, available_cores
 from offload.optim.hyper import AdamHyper
+from offload.optim.moment_codec import BlockCodes, blocks
 
 # Bytes each element moves in one step (Note [bit-identical Adam] reads p, m, v, g and writes p, m, v).
 FP32_BYTES = 4 * 4 + 3 * 4
 MIXED_BYTES = 2 + 3 * 4 + 3 * 4 + 2  # bf16 grad in, bf16 weights out
+CODES_BYTES = 4 + 4 + 2 + 4 + 2  # p, g and two one-byte moments in; p and the moments out
 STREAM_COPY_BYTES = 2 * 4  # STREAM's own convention: one read, one write
 STREAM_TRIAD_BYTES = 3 * 4
 
 HYPER = AdamHyper(lr=1e-3, weight_decay=0.01)
-# Peak bytes held per parameter while measuring: 24.5 arrays of 4 bytes (our
-# state twice, three torch optimizers with their own params, grads and
-# moments, the bf16 copies, three STREAM arrays).
-BYTES_PER_PARAM_HELD = 98
+# Peak bytes held per parameter while measuring: 26 arrays of 4 bytes (our
+# state twice and once with 8-bit moments, three torch optimizers with their
+# own params, grads and moments, the bf16 copies, three STREAM arrays).
+BYTES_PER_PARAM_HELD = 104
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
@@ -88,6 +92,7 @@ def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
     ours = [init.clone(), torch.zeros(n), torch.zeros(n)]
     ours_mixed = [init.clone(), torch.zeros(n), torch.zeros(n)]
     out_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    ours_codes = [init.clone(), *(BlockCodes(torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks(n))) for _ in range(2))]
     fused_p = _torch_param(init, grad)
     foreach_p = _torch_param(init, grad)
     mixed_p = _torch_param(init, torch.empty(n))
@@ -97,7 +102,7 @@ def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
     mixed = torch.optim.AdamW([mixed_p], lr=HYPER.lr, weight_decay=HYPER.weight_decay, fused=True)
     src, dst, third = torch.randn(n), torch.empty(n), torch.randn(n)
     native = _native.lib()
-    steps = {"ours": 0, "ours_mixed": 0}
+    steps = {"ours": 0, "ours_mixed": 0, "ours_codes": 0}
 
     def ours_step():
         steps["ours"] += 1
@@ -107,6 +112,10 @@ def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
         steps["ours_mixed"] += 1
         adam_step(ours_mixed[0], grad_bf16, ours_mixed[1], ours_mixed[2], HYPER, steps["ours_mixed"],
                   out=out_bf16, threads=threads)
+
+    def ours_codes_step():
+        steps["ours_codes"] += 1
+        adam_step(ours_codes[0], grad, ours_codes[1], ours_codes[2], HYPER, steps["ours_codes"], threads=threads)
 
     def torch_mixed_step():
         mixed_p.grad.copy_(grad_bf16)
@@ -119,6 +128,7 @@ def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
         "torch_foreach": foreach.step,
         "offload_mixed": ours_mixed_step,
         "torch_mixed": torch_mixed_step,
+        "offload_codes": ours_codes_step,
         "stream_copy": lambda: _native.check(native.offload_stream_copy(dst.data_ptr(), src.data_ptr(), n, threads)),
         "stream_triad": lambda: _native.check(
             native.offload_stream_triad(dst.data_ptr(), src.data_ptr(), third.data_ptr(), 3.0, n, threads)),
@@ -149,6 +159,9 @@ def _measure(n: int, threads: int, rounds: int, progress: bool) -> dict:
         "torch_foreach_params_per_s": n / t["torch_foreach"],
         "offload_mixed_params_per_s": n / t["offload_mixed"],
         "torch_mixed_params_per_s": n / t["torch_mixed"],
+        "offload_codes_params_per_s": n / t["offload_codes"],
+        "offload_codes_gbps": CODES_BYTES * n / t["offload_codes"] / 1e9,
+        "offload_codes_vs_offload": t["offload"] / t["offload_codes"],
         "stream_copy_gbps": stream_copy,
         "stream_triad_gbps": stream_triad,
         "offload_gbps": offload_gbps,
@@ -187,6 +200,8 @@ def report(r: dict) -> str:
         ("offload, bf16 grad -> bf16 weights", r["offload_mixed_params_per_s"], r["offload_mixed_gbps"],
          f"{r['offload_mixed_vs_torch_mixed']:.2f}x torch mixed"),
         ("torch .float() + fused + .to(bf16)", r["torch_mixed_params_per_s"], MIXED_BYTES * r["torch_mixed_params_per_s"] / 1e9, ""),
+        ("offload, 8-bit moments", r["offload_codes_params_per_s"], r["offload_codes_gbps"],
+         f"{r['offload_codes_vs_offload']:.2f}x offload fp32"),
     ]
     lines = [
         f"offload bench adam: {r['params']:,} parameters, {r['threads']} threads, kernel {r['isa']}, "
@@ -200,7 +215,8 @@ def report(r: dict) -> str:
         f"{'STREAM triad':38}{'':10}{r['stream_triad_gbps']:8.1f}",
         "",
         f"offload fp32 moves {FP32_BYTES} B/param: {r['offload_fraction_of_stream']:.0%} of the best STREAM bandwidth.",
-        f"GB/s counts the bytes each step must read and write ({FP32_BYTES} B/param fp32, {MIXED_BYTES} B/param mixed)"
+        f"GB/s counts the bytes each step must read and write ({FP32_BYTES} B/param fp32, {MIXED_BYTES} B/param mixed, "
+        f"{CODES_BYTES} B/param with 8-bit moments)"
         " for every row, so rows compare as throughput.",
         f"Agreement with torch fused after one step: max abs {r['max_abs_err']:.2e}, relative to max |param| {r['max_rel_err']:.2e}.",
     ]

@@ -17,10 +17,11 @@ import json
 from offload import Config
 from offload.cli.args import byte_size, count, gpt_config, positive_int
 from offload.errors import UsageError
-from offload.optim.state_format import STATE_DTYPES, StateFormat
-
-FORMATS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16")]  # (master, moments)
+from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
+
+FORMATS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float32", "int8"),
+           ("bfloat16", "int8")]  # (master, moments)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -36,7 +37,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="engine config for dtype and buffer sizes (default: bf16, defaults)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=None,
                    help="Adam moments' dtype off the accelerator (default: the config's, else float32)")
-    p.add_argument("--master-dtype", choices=sorted(STATE_DTYPES), default=None,
+    p.add_argument("--master-dtype", choices=sorted(MASTER_DTYPES), default=None,
                    help="master weights' dtype off the accelerator (default: the config's, else float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
@@ -97,7 +98,7 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
              + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()),
              "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "
-             + ", ".join(f"{master} master and {moments} moments {StateFormat.named(moments, master).bytes_per_element}"
+             + ", ".join(f"{master} master and {moments} moments {StateFormat.named(moments, master).bytes_per_element:.3g}"
                          for master, moments in FORMATS)
              + f"; below: {state_format}", ""]
     header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"

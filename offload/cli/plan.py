@@ -65,7 +65,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=output_file, default="offload_config.json", help="where to write the config (default offload_config.json)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32",
                    help="Adam moments' dtype off the accelerator: bfloat16 stores 8 bytes per parameter instead of "
-                        "12 (not bitwise AdamW; default float32)")
+                        "12, int8 6 (neither is bitwise AdamW; default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

@@ -20,8 +20,10 @@ from offload import _native
 from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
 from offload.optim.hyper import AdamHyper, require
+from offload.optim.moment_codec import BlockCodes, blocks
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BLOCK_CODES = 3  # moments as BlockCodes (Note [8-bit moments])
 MAX_THREADS = 1024
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 MOMENT_DTYPES = MASTER_DTYPES = (torch.float32, torch.bfloat16)
@@ -52,8 +54,8 @@ def default_threads() -> int:
 def adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | BlockCodes,
+    exp_avg_sq: torch.Tensor | BlockCodes,
     hyper: AdamHyper,
     step: int,
     *,
@@ -67,7 +69,8 @@ def adam_step(
     The gradient (fp32, bf16 or fp16) is multiplied by ``grad_scale`` first, so
     loss-scale unscaling and clipping cost no extra pass. If ``out`` (bf16 or
     fp16) is given, it receives ``param.to(out.dtype)`` in the same pass.
-    The moments are fp32 or both bf16 (Note [bit-identical Adam]). ``param``
+    The moments are both fp32, both bf16 (Note [bit-identical Adam]) or both
+    ``BlockCodes`` (Note [8-bit moments]). ``param``
     is fp32, or bf16 rounded stochastically with the noise of ``sr_key``
     (Note [stochastic rounding]; ``stochastic.step_key``).
     """
@@ -84,10 +87,13 @@ def adam_step(
         warn_fallback_once()
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key)
         return
+    codes = isinstance(exp_avg, BlockCodes)
     _native.check(
         _native.lib().offload_adam_step(
             param.data_ptr(), _DTYPE_CODES[param.dtype], sr_key or 0,
-            exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype],
+            *((exp_avg.codes.data_ptr(), exp_avg_sq.codes.data_ptr(), _BLOCK_CODES,
+               exp_avg.scales.data_ptr(), exp_avg_sq.scales.data_ptr()) if codes else
+              (exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _DTYPE_CODES[exp_avg.dtype], None, None)),
             grad.data_ptr(), _DTYPE_CODES[grad.dtype],
             out.data_ptr() if out is not None else None, _DTYPE_CODES[out.dtype] if out is not None else 0,
             param.numel(),
@@ -99,7 +105,14 @@ def adam_step(
 
 
 def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
-    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    codes = isinstance(exp_avg, BlockCodes)
+    require(codes == isinstance(exp_avg_sq, BlockCodes), "exp_avg and exp_avg_sq must both be BlockCodes or both tensors")
+    named = {"param": param, "grad": grad}
+    if codes:
+        named.update({"exp_avg": exp_avg.codes, "exp_avg_sq": exp_avg_sq.codes,
+                      "exp_avg scales": exp_avg.scales, "exp_avg_sq scales": exp_avg_sq.scales})
+    else:
+        named.update({"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
     if out is not None:
         named["out"] = out
     for name, t in named.items():
@@ -107,10 +120,19 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
         require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
         require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
         require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
-        require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
+        if name.endswith("scales"):
+            require(t.numel() == blocks(param.numel()),
+                    f"{name} has {t.numel()} elements but param's {param.numel()} need {blocks(param.numel())}, one a block")
+        else:
+            require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
     require(param.dtype in MASTER_DTYPES, f"param must be float32 or bfloat16, got {param.dtype}")
-    require(exp_avg.dtype in MOMENT_DTYPES and exp_avg_sq.dtype == exp_avg.dtype,
-            f"exp_avg and exp_avg_sq must both be float32 or both bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    if codes:
+        require(exp_avg.codes.dtype == exp_avg_sq.codes.dtype == torch.uint8
+                and exp_avg.scales.dtype == exp_avg_sq.scales.dtype == torch.float32,
+                "BlockCodes moments hold uint8 codes and float32 scales")
+    else:
+        require(exp_avg.dtype in MOMENT_DTYPES and exp_avg_sq.dtype == exp_avg.dtype,
+                f"exp_avg and exp_avg_sq must both be float32 or both bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
     spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in named.items()]

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from offload.optim.hyper import AdamHyper
+from offload.optim.moment_codec import BlockCodes, decode_moments, encode_moments, sqrt_exact
 from offload.optim.stochastic import round_to_bf16
 
 
 def adam_step_torch(
     param: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    exp_avg: torch.Tensor | BlockCodes,
+    exp_avg_sq: torch.Tensor | BlockCodes,
     hyper: AdamHyper,
     step: int,
     grad_scale: float,
@@ -40,14 +40,18 @@ def adam_step_torch(
     g = grad.float() * grad_scale
     if decay and not hyper.decoupled:
         g = g + param * hyper.weight_decay
-    # In fp32 whatever the moments' storage; bf16 moments are rounded only when stored back.
-    m = exp_avg.float().mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
-    v = exp_avg_sq.float().mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
+    # In fp32 whatever the moments' storage; bf16 or 8-bit moments are rounded only when stored back.
+    codes = isinstance(exp_avg, BlockCodes)
+    m, v = decode_moments(exp_avg, exp_avg_sq) if codes else (exp_avg.float(), exp_avg_sq.float())
+    m = m.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
+    v = v.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
     if decay and hyper.decoupled:
         param.mul_(1.0 - hyper.lr * hyper.weight_decay)
-    denom = _sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps)
+    denom = sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps)
     param.sub_(m.div(denom).mul_(step_size))
-    if exp_avg.dtype != torch.float32:
+    if codes:
+        encode_moments(m, v, exp_avg, exp_avg_sq)
+    elif exp_avg.dtype != torch.float32:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
     if master.dtype == torch.bfloat16:
@@ -56,8 +60,3 @@ def adam_step_torch(
     if out is not None:
         out.copy_(param)
 
-
-def _sqrt_exact(x: torch.Tensor) -> torch.Tensor:
-    # torch.sqrt on CPU may use a SLEEF approximation that is off by one ulp for
-    # some inputs; numpy's sqrt is the hardware's correctly rounded one, like the kernel's.
-    return torch.from_numpy(np.sqrt(x.numpy()))

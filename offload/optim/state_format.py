@@ -8,9 +8,15 @@ float32, 8 with bf16 moments, 6 with a bf16 master too. The kernel reads
 and writes each in its dtype (Note [bit-identical Adam]); a bf16 master is
 rounded stochastically (Note [stochastic rounding]).
 
+With 8-bit moments (state_dtype int8, Note [8-bit moments]) the buffer opens
+with the two moments' block scales (fp32, one per 2048 elements each, so
+every part after them stays aligned), then the master, then one byte per
+element for each moment: 6.004 bytes per element, or 4.004 with a bf16 master.
+
 Checkpoints hold the state in fp32 whatever the format (``decode``), so a run
 may resume with another format. Resuming with the same one is bitwise: a
-bf16 value widened to fp32 and rounded back is itself.
+bf16 value widened to fp32 and rounded back is itself, and so is a block of
+8-bit codes decoded and encoded again.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from offload.optim.moment_codec import BlockCodes, blocks, decode_moments, encode_moments
+
+# uint8 stands for Note [8-bit moments]' block codes; it is a moment dtype only.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}
+MASTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+Moment = torch.Tensor | BlockCodes
 
 
 @dataclass(frozen=True)
@@ -30,24 +41,38 @@ class StateFormat:
 
     @staticmethod
     def named(moments: str, master: str = "float32") -> StateFormat:
-        return StateFormat(STATE_DTYPES[moments], STATE_DTYPES[master])
+        return StateFormat(STATE_DTYPES[moments], MASTER_DTYPES[master])
 
     @property
-    def bytes_per_element(self) -> int:
-        return self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize
+    def codes(self) -> bool:
+        return self.moment_dtype == torch.uint8
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Bytes per element of a long sub-group (block scales included)."""
+        return self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize + (8 / 2048 if self.codes else 0)
 
     @property
     def all_fp32(self) -> bool:
         return self.master_dtype == self.moment_dtype == torch.float32
 
-    def nbytes(self, n: int) -> int:
-        return self.bytes_per_element * n
+    def _scale_bytes(self, n: int) -> int:
+        return 2 * 4 * blocks(n) if self.codes else 0
 
-    def views(self, buffer: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of a sub-group's uint8 ``buffer`` of ``nbytes(n)``."""
-        w, m = self.master_dtype.itemsize * n, self.moment_dtype.itemsize * n
-        return (buffer[:w].view(self.master_dtype), buffer[w : w + m].view(self.moment_dtype),
-                buffer[w + m : w + 2 * m].view(self.moment_dtype))
+    def nbytes(self, n: int) -> int:
+        return self._scale_bytes(n) + (self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize) * n
+
+    def views(self, buffer: torch.Tensor, n: int) -> tuple[torch.Tensor, Moment, Moment]:
+        """(master, exp_avg, exp_avg_sq) of a sub-group's uint8 ``buffer`` of ``nbytes(n)``;
+        the moments are ``BlockCodes`` when the format is int8."""
+        s = self._scale_bytes(n)
+        w, m = s + self.master_dtype.itemsize * n, self.moment_dtype.itemsize * n
+        master = buffer[s:w].view(self.master_dtype)
+        exp_avg, exp_avg_sq = buffer[w : w + m].view(self.moment_dtype), buffer[w + m : w + 2 * m].view(self.moment_dtype)
+        if not self.codes:
+            return master, exp_avg, exp_avg_sq
+        scales = buffer[:s].view(torch.float32)
+        return master, BlockCodes(exp_avg, scales[: s // 8]), BlockCodes(exp_avg_sq, scales[s // 8 :])
 
     def blank(self, n: int) -> torch.Tensor:
         return torch.zeros(self.nbytes(n), dtype=torch.uint8)
@@ -57,15 +82,23 @@ class StateFormat:
         the format is fp32, else a new tensor."""
         if self.all_fp32:
             return buffer.view(torch.float32).view(3, n)
-        return torch.stack([part.float() for part in self.views(buffer, n)])
+        master, exp_avg, exp_avg_sq = self.views(buffer, n)
+        if self.codes:
+            return torch.stack([master.float(), *decode_moments(exp_avg, exp_avg_sq)])
+        return torch.stack([master.float(), exp_avg.float(), exp_avg_sq.float()])
 
     def fill(self, buffer: torch.Tensor, n: int, fill: Callable[[torch.Tensor], None]) -> None:
         """``fill(state)`` writes a [3, n] fp32 state; it lands in ``buffer`` in
-        this format, rounded to nearest even where it is bf16."""
+        this format, rounded to nearest even where it is bf16 or 8-bit."""
         if self.all_fp32:
             fill(buffer.view(torch.float32).view(3, n))
             return
         state = torch.empty(3, n)
         fill(state)
-        for part, values in zip(self.views(buffer, n), state):
-            part.copy_(values)
+        master, exp_avg, exp_avg_sq = self.views(buffer, n)
+        master.copy_(state[0])
+        if self.codes:
+            encode_moments(state[1], state[2], exp_avg, exp_avg_sq)
+        else:
+            exp_avg.copy_(state[1])
+            exp_avg_sq.copy_(state[2])

@@ -11,6 +11,7 @@ from offload import _native
 from offload.optim import AdamHyper, adam_step, grad_stats
 from offload.optim import adam as adam_module
 from offload.optim.adam_fallback import adam_step_torch
+from offload.optim.moment_codec import BlockCodes, blocks
 from offload.optim.stochastic import round_to_bf16, step_key
 
 SIZES = [1, 7, 31, 1000003]  # none a multiple of the SIMD width but 1
@@ -86,24 +87,39 @@ def test_grad_scale_equals_scaled_gradient():
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("decoupled", [True, False])
-@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16, "int8"], ids=str)
 @pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, decoupled, moment_dtype, master_dtype,
                                                    restore_isa):
     _native.set_adam_isa(isa)
     n = 100_003
     hyper = AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=decoupled, bias_correction=not decoupled)
-    native = [torch.randn(n).to(master_dtype), torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)]
-    fallback = [t.clone() for t in native]
+    native = [torch.randn(n).to(master_dtype), _zero_moment(n, moment_dtype), _zero_moment(n, moment_dtype)]
+    fallback = [_clone(t) for t in native]
     outs = [torch.empty(n, dtype=out_dtype) if out_dtype else None for _ in range(2)]
     for step in range(1, 6):
-        grad = torch.randn(n).to(grad_dtype)
+        # Magnitudes over 8 decades, so 8-bit codes flush, clamp and round up.
+        grad = (torch.randn(n) * 10 ** (-8 * torch.rand(n))).to(grad_dtype)
         key = step_key(step, 3) if master_dtype == torch.bfloat16 else None
         adam_step(native[0], grad, native[1], native[2], hyper, step, grad_scale=0.5, out=outs[0], sr_key=key)
         adam_step_torch(fallback[0], grad, fallback[1], fallback[2], hyper, step, 0.5, outs[1], key)
     for a, b in zip(native + outs, fallback + outs[1:] + [None]):
         if b is not None:
-            assert torch.equal(a, b)
+            assert all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
+
+
+def _zero_moment(n, dtype):
+    if dtype == "int8":
+        return BlockCodes(torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks(n)))
+    return torch.zeros(n, dtype=dtype)
+
+
+def _clone(t):
+    return BlockCodes(t.codes.clone(), t.scales.clone()) if isinstance(t, BlockCodes) else t.clone()
+
+
+def _tensors(t):
+    return list(t) if isinstance(t, BlockCodes) else [t]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -278,16 +294,20 @@ def test_native_checks_what_it_is_given():
     p = buf.data_ptr()
     common = (0.001, 0.9, 0.999, 1e-8, 0.0, 1, 1, 1, 1.0, 1)
     cases = {
-        "overlap": ((p, 0, 0, p + 64, p + 512, 0, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
-        "null": ((None, 0, 0, p, p + 256, 0, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
-        "misaligned": ((p + 1, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
-        "grad dtype code": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
-        "out dtype code": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
-        "negative n": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, -1) + common, "n must be in"),
-        "bad beta": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
-        "negative threads": ((p, 0, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
-        "moment dtype code": ((p, 0, 0, p + 256, p + 512, 2, p + 768, 0, None, 0, 8) + common, "moment dtype code 2"),
-        "param dtype code": ((p, 2, 0, p + 256, p + 512, 0, p + 768, 0, None, 0, 8) + common, "param dtype code 2"),
+        "overlap": ((p, 0, 0, p + 64, p + 512, 0, None, None, p + 768, 0, None, 0, 32) + common, "param and exp_avg overlap"),
+        "null": ((None, 0, 0, p, p + 256, 0, None, None, p + 512, 0, None, 0, 8) + common, "param is a null pointer"),
+        "misaligned": ((p + 1, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8) + common, "param is not 4-byte aligned"),
+        "grad dtype code": ((p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 7, None, 0, 8) + common, "grad dtype code 7"),
+        "out dtype code": ((p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, p + 900, 0, 8) + common, "out dtype code 0"),
+        "negative n": ((p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, -1) + common, "n must be in"),
+        "bad beta": ((p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8, 0.001, 1.5) + common[2:], "beta1 must be in"),
+        "negative threads": ((p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8) + common[:-1] + (-1,), "threads must be >= 0"),
+        "moment dtype code": ((p, 0, 0, p + 256, p + 512, 2, None, None, p + 768, 0, None, 0, 8) + common, "moment dtype code 2"),
+        "param dtype code": ((p, 2, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8) + common, "param dtype code 2"),
+        "null scales": ((p, 0, 0, p + 256, p + 320, 3, None, p + 384, p + 768, 0, None, 0, 8) + common,
+                        "exp_avg_scale is a null pointer"),
+        "scales overlap": ((p, 0, 0, p + 256, p + 320, 3, p + 384, p + 384, p + 768, 0, None, 0, 8) + common,
+                           "exp_avg_scale and exp_avg_sq_scale overlap"),
     }
     for args, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):

@@ -13,8 +13,9 @@
 // The header format belongs to offload/store/shard_file.py; this engine only
 // fills in two CRCs at offsets the caller gives: the CRC of the data (CRC-32C of
 // the little-endian array of per-chunk CRCs) and then the CRC of the header
-// bytes before header_crc_at. On write the header goes last, after every data
-// chunk succeeded, so a failed write never leaves a header that vouches for it.
+// bytes before header_crc_at. On write the header goes last, queued as one more
+// chunk once every data chunk succeeded, so a failed write never leaves a header
+// that vouches for it.
 #include <fcntl.h>
 #include <linux/aio_abi.h>
 #include <linux/magic.h>
@@ -54,6 +55,7 @@ struct Request {
   int64_t header_len = 0;
   int64_t data_crc_at = 0;
   int64_t header_crc_at = 0;
+  bool header_queued = false;  // a write's header chunk is in the queue or in flight
   std::vector<uint32_t> chunk_crcs;
   std::atomic<int64_t> pending{0};
   uint32_t data_crc = 0;
@@ -139,23 +141,32 @@ void store_u32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
 }
 
-// The last chunk of a request is done: combine the CRCs and, for a write that
-// fully succeeded, write the header that vouches for the data.
-void finish_request(Request* r) {
-  std::vector<uint8_t> le(4 * r->chunk_crcs.size());
-  for (size_t i = 0; i < r->chunk_crcs.size(); ++i) store_u32(&le[4 * i], r->chunk_crcs[i]);
-  r->data_crc = crc32c(le.data(), le.size(), 0);
-  if (r->op == kWrite && !has_error(r)) {
+// Every data chunk of a request is done: combine the CRCs and, for a write that
+// fully succeeded, queue the header that vouches for the data as one more
+// asynchronous chunk (written synchronously here, it kept this worker from
+// submitting its next data chunks); the request completes when that lands.
+void finish_request(Engine* e, Request* r) {
+  if (!r->header_queued) {
+    std::vector<uint8_t> le(4 * r->chunk_crcs.size());
+    for (size_t i = 0; i < r->chunk_crcs.size(); ++i) store_u32(&le[4 * i], r->chunk_crcs[i]);
+    r->data_crc = crc32c(le.data(), le.size(), 0);
+  }
+  if (r->op == kWrite && !r->header_queued && !has_error(r)) {
     store_u32(r->header + r->data_crc_at, r->data_crc);
     store_u32(r->header + r->header_crc_at, crc32c(r->header, static_cast<size_t>(r->header_crc_at), 0));
-    const int64_t n = transfer_sync(kWrite, r->fd, r->header, r->header_len, 0);
-    if (n < 0) record_error(r, static_cast<int>(-n), 0, "write (header)");
-    else if (n != r->header_len) record_error(r, EIO, 0, "short write (header)");
+    r->header_queued = true;
+    r->pending.store(1);
+    {
+      std::lock_guard<std::mutex> lock(e->mu);
+      e->queue.push_front(Chunk{r, kHeaderChunk, r->header, r->header_len, 0, 0});
+    }
+    e->cv.notify_one();
+    return;
   }
   complete(r);
 }
 
-void finish_chunk(const Chunk& c, int64_t result) {
+void finish_chunk(Engine* e, const Chunk& c, int64_t result) {
   Request* r = c.req;
   const char* verb = r->op == kRead ? "read" : "write";
   if (r->op == kWrite && result >= 0 && result < c.io_len) {
@@ -172,7 +183,7 @@ void finish_chunk(const Chunk& c, int64_t result) {
   } else if (r->op == kRead && c.index != kHeaderChunk) {
     r->chunk_crcs[c.index] = crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
   }
-  if (r->pending.fetch_sub(1) == 1) finish_request(r);
+  if (r->pending.fetch_sub(1) == 1) finish_request(e, r);
 }
 
 // Returns the injected errno if the test hook targets this chunk, else 0.
@@ -218,9 +229,9 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
       int fault = 0;
       prepare(e, c, &fault);
       if (fault != 0) {
-        finish_chunk(c, -fault);
+        finish_chunk(e, c, -fault);
       } else if (!kernel_aio) {
-        finish_chunk(c, transfer_sync(c.req->op, c.req->fd, c.buf, c.io_len, c.file_offset));
+        finish_chunk(e, c, transfer_sync(c.req->op, c.req->fd, c.buf, c.io_len, c.file_offset));
       } else {
         const int slot = free_slots.back();
         free_slots.pop_back();
@@ -248,7 +259,7 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
       // The kernel refused this one: move it synchronously rather than fail the request.
       const int slot = static_cast<int>(to_submit[submitted]->aio_data);
       const Chunk& c = slots[slot];
-      finish_chunk(c, transfer_sync(c.req->op, c.req->fd, c.buf, c.io_len, c.file_offset));
+      finish_chunk(e, c, transfer_sync(c.req->op, c.req->fd, c.buf, c.io_len, c.file_offset));
       free_slots.push_back(slot);
       ++submitted;
     }
@@ -262,7 +273,7 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
     }
     // Chunks reaped last round are finished (checksummed) only now, after their
     // slots were refilled above, so the device never idles while we checksum.
-    for (const auto& [chunk, result] : reaped) finish_chunk(chunk, result);
+    for (const auto& [chunk, result] : reaped) finish_chunk(e, chunk, result);
     reaped.clear();
     if (inflight > 0) {
       long n;
@@ -381,7 +392,7 @@ OFFLOAD_API void* offload_aio_submit(void* engine, int op, int fd, const char* p
   const bool read_header = op == kRead;
   r->pending.store(chunks + (read_header ? 1 : 0));
   if (r->pending.load() == 0) {  // an empty write: only the header
-    finish_request(r);
+    finish_request(e, r);
     return r;
   }
   {

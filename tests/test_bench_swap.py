@@ -4,6 +4,7 @@ depth (fio), or says what it could not match (dd); each test fails on a
 benchmark that gets that wrong."""
 
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -263,3 +264,112 @@ def test_sweep_runs_the_baseline_at_every_point_with_that_points_settings(tmp_pa
 def test_bad_arguments_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], check=False, capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+class _FakeAioHandle:
+    """DeepSpeed's aio_handle API (async_pwrite/async_pread of a whole buffer at
+    a file offset, then wait), on plain pwrite/pread, recording every call."""
+
+    calls: list = []
+
+    def __init__(self, block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism):
+        type(self).calls.append(("handle", block_size, queue_depth, intra_op_parallelism))
+        self.pending = 0
+
+    def new_cpu_locked_tensor(self, numel, example):
+        import torch
+
+        return torch.zeros(numel, dtype=example.dtype)
+
+    def _io(self, op, buffer, path, offset):
+        type(self).calls.append((op, path, offset, buffer.numel()))
+        if op == "write":
+            sys.modules["deepspeed.utils"].logger.warning("writes wear consumer SSDs")  # as DeepSpeed warns, on stdout
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if op == "write":
+                os.pwrite(fd, buffer.numpy().tobytes(), offset)
+            else:
+                data = os.pread(fd, buffer.numel(), offset)
+                assert len(data) == buffer.numel()
+        finally:
+            os.close(fd)
+        self.pending += 1
+        return 0
+
+    def async_pwrite(self, buffer, path, offset):
+        return self._io("write", buffer, path, offset)
+
+    def async_pread(self, buffer, path, offset):
+        return self._io("read", buffer, path, offset)
+
+    def wait(self):
+        done, self.pending = self.pending, 0
+        return done
+
+
+class _Stdout:
+    """Whatever sys.stdout is when written to (pytest swaps it between phases)."""
+
+    def write(self, text):
+        return sys.stdout.write(text)
+
+    def flush(self):
+        sys.stdout.flush()
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    class Builder:
+        def is_compatible(self, verbose=False):
+            return True
+
+        def load(self, verbose=False):
+            return type("Op", (), {"aio_handle": _FakeAioHandle})
+
+    module = type(sys)("deepspeed.ops.op_builder")
+    module.AsyncIOBuilder = Builder
+    utils = type(sys)("deepspeed.utils")
+    utils.logger = logging.getLogger("fake-deepspeed")
+    for name in ("deepspeed", "deepspeed.ops"):
+        monkeypatch.setitem(sys.modules, name, type(sys)(name))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", module)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
+    _FakeAioHandle.calls = []
+    handler = logging.StreamHandler(_Stdout())  # DeepSpeed's logger writes to stdout
+    utils.logger.addHandler(handler)
+    yield _FakeAioHandle.calls
+    utils.logger.removeHandler(handler)
+
+
+@native
+def test_deepspeed_baseline_moves_the_stores_files_with_its_settings(tmp_path, small_shards, fake_deepspeed, capsys):
+    data = tmp_path / "disk"
+    data.mkdir()
+    result = run_json(capsys, data, "--size", "6M", "--block-size", "1M", "--queue-depth", "4", "--threads", "2",
+                      "--repeats", "1", "--baseline", "deepspeed")
+    assert result["baseline"] == "deepspeed"
+    assert fake_deepspeed[0] == ("handle", MiB, 2, 2)  # its queue depth is per thread: the store's share
+    io = [c for c in fake_deepspeed if c[0] != "handle"]
+    files = sorted({c[1] for c in io})
+    assert len(files) == result["store"]["files"] == 3
+    # Created and written (timed as its first write), read, overwritten: each file after the store's header.
+    assert sorted(c[0] for c in io) == ["read"] * 3 + ["write"] * 6
+    assert all(c[2] == HEADER_BYTES and c[3] == 2 * MiB for c in io)
+    assert result["baseline_first_put_bytes"] == result["baseline_read_bytes"] == 3 * 2 * MiB
+    assert result["first_put_ratio"] == pytest.approx(result["first_put_gbps"] / result["baseline_first_put_gbps"])
+    assert not result["unmatched"]
+    assert os.listdir(data) == []
+
+
+@native
+def test_deepspeed_baseline_is_skipped_with_the_reason_when_it_cannot_run(tmp_path, capsys, small_shards, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    data = tmp_path / "disk"
+    data.mkdir()
+    argv = ["bench", "swap", "--path", str(data), "--size", "2M", "--block-size", "1M", "--repeats", "1",
+            "--baseline", "deepspeed", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["baseline"] in ("fio", "dd")
+    assert "DeepSpeed's aio is unavailable (import deepspeed: " in err and "its baseline is skipped" in err

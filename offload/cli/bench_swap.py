@@ -12,7 +12,11 @@ The baseline runs in the same invocation and repeats the store's I/O (Note
 [like with like]): the same files, block size, threads and queue depth,
 direct I/O where the store got it, and overwrites of written files. It is fio
 (libaio) when installed, else dd, which cannot keep a queue; whatever the
-baseline does not match is listed beside the figures.
+baseline does not match is listed beside the figures. ``--baseline
+deepspeed`` runs DeepSpeed's own aio handle instead (its async_io op,
+JIT-built on first use: minutes), and times its first write of new files
+beside the store's first put; without DeepSpeed it says so and runs the
+default baseline.
 ``--sweep`` measures a grid of block size x queue depth x threads, with the
 baseline at every point, prints a table, saves a plot, and prints the best
 setting as an ``aio`` config block.
@@ -38,11 +42,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import logging
 import os
 import shlex
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -79,6 +85,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-depth", type=positive_int, default=32, help="requests in flight (default 32)")
     p.add_argument("--threads", type=positive_int, default=1, help="aio threads (default 1)")
     p.add_argument("--backend", choices=["native", "aiofiles"], default="native")
+    p.add_argument("--baseline", choices=["fio", "deepspeed"], default="fio",
+                   help="fio (dd without it), or DeepSpeed's aio handle where DeepSpeed is importable (default fio)")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="rounds of (store, baseline), interleaved; medians are reported (default 3)")
     p.add_argument("--sweep", action="store_true", help="measure the grid: block 1M..16M x depth 1..64 x threads 1..8")
@@ -144,35 +152,50 @@ def run(args: argparse.Namespace) -> int:
     _check_room(args.path, max(Layout.of(size, b, t).data_bytes for b, t in points))
     settings = AioSettings(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.threads,
                            backend=args.backend)
+    tool = baseline_tool(args.baseline)
     if args.sweep:
-        result = sweep(args.path, size, args.backend, args.plot, progress=not args.json)
+        result = sweep(args.path, size, args.backend, args.plot, progress=not args.json, tool=tool)
     else:
         result = {"path": args.path, "size": size, **asdict(settings),
-                  **compare(args.path, size, settings, args.repeats, progress=not args.json)}
+                  **compare(args.path, size, settings, args.repeats, progress=not args.json, tool=tool)}
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
 
-def compare(path: str, size: int, settings: AioSettings, repeats: int, progress: bool) -> dict:
+def baseline_tool(choice: str) -> type:
+    """The baseline's class for ``--baseline``: DeepSpeed's aio handle when asked for
+    and importable (else, saying why, the default), fio when installed, else dd."""
+    if choice == "deepspeed":
+        why = _DeepSpeed.unavailable()
+        if why is None:
+            return _DeepSpeed
+        print(f"offload bench swap: DeepSpeed's aio is unavailable ({why}); its baseline is skipped and the "
+              "default one runs", file=sys.stderr)
+    return _Fio if shutil.which("fio") else _Dd
+
+
+def compare(path: str, size: int, settings: AioSettings, repeats: int, progress: bool, tool: type | None = None) -> dict:
     """Store and baseline in alternating rounds (the disk's speed drifts); medians,
     and the median of each round's ratio."""
     bar = Progress(repeats, "swap rounds", enabled=progress)
     rounds, described = [], {}
     for _ in range(repeats):
-        figures, described = _point(path, size, settings)
+        figures, described = _point(path, size, settings, tool)
         rounds.append(figures)
         bar.advance()
     medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     return {**medians, **described, "repeats": repeats, "rounds": rounds}
 
 
-def _point(path: str, size: int, settings: AioSettings) -> tuple[dict, dict]:
+def _point(path: str, size: int, settings: AioSettings, tool: type | None = None) -> tuple[dict, dict]:
     """One store measurement and the baseline right after it: (figures, what each side did)."""
     store = measure(path, size, settings)
-    base = baseline(path, store["store"])
+    base = baseline(path, store["store"], tool)
     figures = {k: v for k, v in {**store, **base}.items() if isinstance(v, (int, float))}
     figures["write_ratio"] = figures["write_gbps"] / figures["baseline_write_gbps"]
     figures["read_ratio"] = figures["read_gbps"] / figures["baseline_read_gbps"]
+    if "baseline_first_put_gbps" in figures:
+        figures["first_put_ratio"] = figures["first_put_gbps"] / figures["baseline_first_put_gbps"]
     return figures, {k: v for k, v in {**store, **base}.items() if k not in figures}
 
 
@@ -267,24 +290,20 @@ def _for_each_file(paths: list[str], action) -> None:
             os.close(fd)
 
 
-def baseline(path: str, store: dict) -> dict:
-    """The store's I/O (``store``, as ``measure`` describes it) repeated by fio, or by
-    dd if fio is missing, in a scratch directory under ``path``: files laid out
-    as the first put does (untimed), then a timed read and a timed overwrite."""
-    tool = _Fio if shutil.which("fio") else _Dd
+def baseline(path: str, store: dict, tool: type | None = None) -> dict:
+    """The store's I/O (``store``, as ``measure`` describes it) repeated by ``tool``
+    (default: fio, or dd if fio is missing) in a scratch directory under
+    ``path``: files laid out as the first put does (untimed, except by a tool
+    that times its own first write), then a timed read and a timed overwrite."""
+    tool = tool or (_Fio if shutil.which("fio") else _Dd)
     with tempfile.TemporaryDirectory(prefix="offload-baseline-", dir=path) as scratch:
         paths = [os.path.join(scratch, f"shard-{i:06d}.dat") for i in range(store["files"])]
-        for p in paths:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, store["file_bytes"])
-            except OSError as exc:
-                raise StorageError(f"preallocate {store['file_bytes']:,} bytes for {p}: {exc.strerror} (errno {exc.errno})") from exc
-            finally:
-                os.close(fd)
         job = tool(paths, store)
-        job.run("write")
         figures = {}
+        first = job.create()
+        if first is not None:
+            figures.update({"baseline_first_put_bytes": first[0], "baseline_first_put_s": first[1],
+                            "baseline_first_put_gbps": first[0] / first[1] / 1e9})
         for rw in ("read", "write"):
             moved, seconds = job.run(rw)
             figures.update({f"baseline_{rw}_bytes": moved, f"baseline_{rw}_s": seconds,
@@ -294,7 +313,26 @@ def baseline(path: str, store: dict) -> dict:
             "unmatched": _unmatched(store, job.params) + job.notes, **figures}
 
 
-class _Fio:
+def _preallocate(paths: list[str], nbytes: int) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise StorageError(f"preallocate {nbytes:,} bytes for {p}: {exc.strerror} (errno {exc.errno})") from exc
+        finally:
+            os.close(fd)
+
+
+class _Preallocating:
+    """fio and dd lay the files out as the first put does, untimed: preallocated, then written once."""
+
+    def create(self) -> None:
+        _preallocate(self.paths, self.params["file_bytes"])
+        self.run("write")
+
+
+class _Fio(_Preallocating):
     """fio jobs that repeat the store's chunks (Note [like with like])."""
 
     name = "fio"
@@ -347,7 +385,7 @@ class _Fio:
         return group["io_bytes"], group["runtime"] / 1000
 
 
-class _Dd:
+class _Dd(_Preallocating):
     """dd, one process per store thread, each moving a contiguous share of every
     file's blocks; it keeps one request in flight, so the depth cannot match."""
 
@@ -400,18 +438,90 @@ class _Dd:
             raise StorageError(f"{shlex.join(argv)} failed: {(proc.stderr.strip().splitlines() or ['no message'])[-1]}")
 
 
+class _DeepSpeed:
+    """DeepSpeed's aio handle (deepspeed.ops.op_builder.AsyncIOBuilder), as
+    ZeRO-Infinity swaps with it: one async_pwrite or async_pread of a whole
+    page-locked buffer per file, then wait(). Its settings are the store's:
+    block size, threads (its intra_op_parallelism, each thread a contiguous
+    part of every request) and each thread's depth (its queue_depth is per
+    thread); the data sits after the store's header, at the same offset. It
+    creates files with O_CREAT and no preallocation, so its first write is
+    timed against the store's first put."""
+
+    name = "deepspeed"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why DeepSpeed's aio cannot run here, or None."""
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed refuses to import on a CPU-only machine otherwise
+        try:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+        except Exception as exc:  # noqa: BLE001 - any import failure means the same: no baseline
+            return f"import deepspeed: {type(exc).__name__}: {exc}"
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            return "its async_io op is not compatible with this machine (libaio-dev missing?)"
+        return None
+
+    def __init__(self, paths: list[str], store: dict) -> None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.utils import logger
+
+        for handler in logger.handlers:  # its warnings would land in our --json on stdout
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
+        self.paths = paths
+        depths = store["depth_per_thread"]
+        self.offset = store["data_offset"]
+        self.nbytes = store["file_bytes"] - self.offset
+        self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(
+            block_size=store["block_size"], queue_depth=max(depths), single_submit=False, overlap_events=True,
+            intra_op_parallelism=len(depths))
+        example = torch.empty(0, dtype=torch.uint8)
+        self.buffers = [self.handle.new_cpu_locked_tensor(self.nbytes, example) for _ in paths]
+        for b in self.buffers:
+            b.random_(0, 256)
+        self.params = {"tool": "deepspeed", "ioengine": "deepspeed aio_handle", "files": len(paths),
+                       "file_bytes": store["file_bytes"], "data_offset": self.offset, "block_size": store["block_size"],
+                       "jobs": len(depths), "depth_per_job": [max(depths)] * len(depths),
+                       "total_depth": max(depths) * len(depths), "direct": True,
+                       "order": "each request split into one contiguous part per thread, requests in file order",
+                       "write": "overwrite of files it created and wrote once, timed as its first write"}
+        self.notes = []
+
+    def create(self) -> tuple[int, float]:
+        return self.run("write")
+
+    def run(self, rw: str) -> tuple[int, float]:
+        submit = self.handle.async_pwrite if rw == "write" else self.handle.async_pread
+        start = time.perf_counter()
+        for buffer, p in zip(self.buffers, self.paths):
+            if submit(buffer, p, self.offset) != 0:
+                raise StorageError(f"DeepSpeed's aio refused to {rw} {p}")
+        done = self.handle.wait()
+        seconds = time.perf_counter() - start
+        if done != len(self.paths):
+            raise StorageError(f"DeepSpeed's aio completed {done} of {len(self.paths)} {rw}s in {os.path.dirname(self.paths[0])}")
+        return self.nbytes * len(self.paths), seconds
+
+    def commands(self, rw: str) -> list[str]:
+        call = "async_pwrite" if rw == "write" else "async_pread"
+        return [f"aio_handle(block_size={self.params['block_size']}, queue_depth={self.params['depth_per_job'][0]}, "
+                f"single_submit=False, overlap_events=True, intra_op_parallelism={self.params['jobs']})"
+                f".{call}(buffer, path, {self.offset}) for each of {len(self.paths)} files; wait()"]
+
+
 def _unmatched(store: dict, base: dict) -> list[str]:
     return [f"{mine}: store {store[mine]}, {base['tool']} {base[theirs]}"
             for mine, theirs in MATCHED if store[mine] != base[theirs]]
 
 
-def sweep(path: str, size: int, backend: str, plot_path: str, progress: bool) -> dict:
+def sweep(path: str, size: int, backend: str, plot_path: str, progress: bool, tool: type | None = None) -> dict:
     grid = [(b, q, t) for b in SWEEP_BLOCKS for q in SWEEP_DEPTHS for t in SWEEP_THREADS]
     bar = Progress(len(grid), "swap sweep", enabled=progress)
     rows = []
     for block, depth, threads in grid:
         settings = AioSettings(block_size=block, queue_depth=depth, thread_count=threads, backend=backend)
-        figures, described = _point(path, size, settings)
+        figures, described = _point(path, size, settings, tool)
         rows.append({"block_size": block, "queue_depth": depth, "thread_count": threads, **figures,
                      **{k: described[k] for k in ("store", "baseline_params", "unmatched")}})
         bar.advance(f"{block // MiB}M q{depth} t{threads}: w {figures['write_ratio']:.2f}x r {figures['read_ratio']:.2f}x")
@@ -482,7 +592,9 @@ def report(r: dict) -> str:
         *(["not matched:"] + [f"  {line}" for line in r["unmatched"]] if r["unmatched"] else
           ["matched: files, file size, data offset, block size, threads = jobs, depth per thread, direct I/O"]),
         "",
-        f"first put (create, preallocate, allocate buffers, write): {r['first_put_gbps']:.2f} GB/s",
+        f"first put (create, preallocate, allocate buffers, write): {r['first_put_gbps']:.2f} GB/s"
+        + (f"; {base['tool']}'s first write of new files: {r['baseline_first_put_gbps']:.2f} GB/s "
+           f"({r['first_put_ratio']:.2f}x)" if "first_put_ratio" in r else ""),
         f"medians of {r['repeats']} interleaved rounds; each ratio compares a store round with the baseline run right after it",
         f"page cache filled by the writes: {r['page_cache_bytes'] / 1e9:.2f} GB",
         f"the {base['tool']} command lines: --json, key baseline_commands",

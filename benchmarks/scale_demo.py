@@ -38,6 +38,7 @@ from offload.data import ByteBatches, stdlib_corpus
 from offload.estimate import ModelShape, Setup, estimate
 from offload.models.gpt import GPT, GPTConfig
 from offload.models.llama import Llama, LlamaConfig
+from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES
 from offload.store import AioSettings
 
 DISK_HEADROOM = 0.97  # of the free space: swap files round up to whole pages, and the filesystem needs some
@@ -76,8 +77,8 @@ def main() -> None:
     parser.add_argument("--arch", choices=("llama", "gpt"), default="llama")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--master-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32")
+    parser.add_argument("--master-dtype", choices=sorted(MASTER_DTYPES), default="float32")
     parser.add_argument("--compute", choices=("float32", "bfloat16"), default="bfloat16",
                         help="compute dtype, also the weights' on disk (CPUs without bf16 instructions multiply "
                              "bf16 matrices hundreds of times slower than fp32: use float32 there)")

@@ -279,7 +279,11 @@ class _FakeAioHandle:
     def new_cpu_locked_tensor(self, numel, example):
         import torch
 
+        type(self).calls.append(("lock", numel))
         return torch.zeros(numel, dtype=example.dtype)
+
+    def free_cpu_locked_tensor(self, tensor):
+        type(self).calls.append(("unlock", tensor.numel()))
 
     def _io(self, op, buffer, path, offset):
         type(self).calls.append((op, path, offset, buffer.numel()))
@@ -350,7 +354,9 @@ def test_deepspeed_baseline_moves_the_stores_files_with_its_settings(tmp_path, s
                       "--repeats", "1", "--baseline", "deepspeed")
     assert result["baseline"] == "deepspeed"
     assert fake_deepspeed[0] == ("handle", MiB, 2, 2)  # its queue depth is per thread: the store's share
-    io = [c for c in fake_deepspeed if c[0] != "handle"]
+    io = [c for c in fake_deepspeed if c[0] in ("read", "write")]
+    locks = [c for c in fake_deepspeed if c[0] in ("lock", "unlock")]
+    assert sorted(locks) == [("lock", 2 * MiB)] * 3 + [("unlock", 2 * MiB)] * 3  # none held past its round
     files = sorted({c[1] for c in io})
     assert len(files) == result["store"]["files"] == 3
     # Created and written (timed as its first write), read, overwritten: each file after the store's header.

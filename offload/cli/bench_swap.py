@@ -300,14 +300,17 @@ def baseline(path: str, store: dict, tool: type | None = None) -> dict:
         paths = [os.path.join(scratch, f"shard-{i:06d}.dat") for i in range(store["files"])]
         job = tool(paths, store)
         figures = {}
-        first = job.create()
-        if first is not None:
-            figures.update({"baseline_first_put_bytes": first[0], "baseline_first_put_s": first[1],
-                            "baseline_first_put_gbps": first[0] / first[1] / 1e9})
-        for rw in ("read", "write"):
-            moved, seconds = job.run(rw)
-            figures.update({f"baseline_{rw}_bytes": moved, f"baseline_{rw}_s": seconds,
-                            f"baseline_{rw}_gbps": moved / seconds / 1e9})
+        try:
+            first = job.create()
+            if first is not None:
+                figures.update({"baseline_first_put_bytes": first[0], "baseline_first_put_s": first[1],
+                                "baseline_first_put_gbps": first[0] / first[1] / 1e9})
+            for rw in ("read", "write"):
+                moved, seconds = job.run(rw)
+                figures.update({f"baseline_{rw}_bytes": moved, f"baseline_{rw}_s": seconds,
+                                f"baseline_{rw}_gbps": moved / seconds / 1e9})
+        finally:
+            job.close()
     return {"baseline": tool.name, "baseline_params": job.params,
             "baseline_commands": {rw: job.commands(rw) for rw in ("write", "read")},
             "unmatched": _unmatched(store, job.params) + job.notes, **figures}
@@ -330,6 +333,9 @@ class _Preallocating:
     def create(self) -> None:
         _preallocate(self.paths, self.params["file_bytes"])
         self.run("write")
+
+    def close(self) -> None:
+        pass
 
 
 class _Fio(_Preallocating):
@@ -490,6 +496,12 @@ class _DeepSpeed:
 
     def create(self) -> tuple[int, float]:
         return self.run("write")
+
+    def close(self) -> None:
+        """Unlock the buffers: DeepSpeed keeps them until told, one round's worth more each round."""
+        for buffer in self.buffers:
+            self.handle.free_cpu_locked_tensor(buffer)
+        self.buffers = []
 
     def run(self, rw: str) -> tuple[int, float]:
         submit = self.handle.async_pwrite if rw == "write" else self.handle.async_pread

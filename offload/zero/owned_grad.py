@@ -205,7 +205,10 @@ class InMemoryGradient:
 class OnDiskGradient:
     """One swap file per sub-group. Backward adds into one sub-group at a
     time, held resident until a part for another arrives, then written back;
-    its first touch in a window starts from zeros, unread."""
+    its first touch in a window starts from zeros, unread. Each write-back
+    takes the sub-group's sum of squares while it is in memory, so the
+    statistics clipping and fp16 need read nothing back (a sub-group opened
+    again is summed again: its last sum covers everything added to it)."""
 
     def __init__(self, groups: SubGroups, dtype: torch.dtype, nvme_path: str, aio: AioSettings, buffer_count: int,
                  pin: bool | None, transfer: Transfer) -> None:
@@ -222,6 +225,7 @@ class OnDiskGradient:
         self._zeros = zeros  # what an untouched sub-group reads as
         self._open: tuple[int, torch.Tensor] | None = None
         self._touched: set[int] = set()  # sub-groups written in this accumulation window
+        self._sums: dict[int, float] = {}  # each touched sub-group's sum of squares at its last write-back
         self._landing: list[tuple[int, int, Pending]] = []  # parts copied out, not added yet
 
     @staticmethod
@@ -273,18 +277,18 @@ class OnDiskGradient:
     def _close_open(self) -> None:
         """Write back the sub-group parts were being added into."""
         if self._open is not None:
-            self.store.release([self._key(self._open[0])], dirty=True)
+            i, buffer = self._open
+            self._sums[i] = sum_squares(buffer)
+            self.store.release([self._key(i)], dirty=True)
             self._open = None
 
     def stats(self) -> tuple[float, bool]:
-        """Note [gradient statistics], sub-group by sub-group in order (one read pass
-        over those this window touched), as ``InMemoryGradient`` adds them."""
+        """Note [gradient statistics], sub-group by sub-group in order, as
+        ``InMemoryGradient`` adds them, from the sums taken at write-back."""
         self.end_of_backward()
         total = 0.0
         for i in sorted(self._touched):  # an untouched sub-group adds exactly 0.0
-            (g,) = self.store.get([self._key(i)])
-            total += sum_squares(g)
-            self.store.release([self._key(i)], dirty=False)
+            total += self._sums[i]
         return total, math.isfinite(total)
 
     def prefetch(self, groups: Iterable[int]) -> None:
@@ -305,6 +309,7 @@ class OnDiskGradient:
         """Nothing is written now: the next window's first touch starts from zeros."""
         self.end_of_backward()
         self._touched.clear()
+        self._sums.clear()
 
     def memory(self, report: MemoryReport) -> None:
         stats = self.store.stats()

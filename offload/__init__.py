@@ -51,6 +51,7 @@ def init(config: str | os.PathLike | dict | Config | None = None):
 from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)
 from offload.errors import ConfigError, OffloadError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
+from offload.load_weights import from_pretrained, load_weights  # noqa: E402
 from offload.zero.materialize import meta_device  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "Engine", "OffloadError", "init", "initialize"]
+__all__ = ["Config", "ConfigError", "Engine", "OffloadError", "from_pretrained", "init", "initialize", "load_weights"]

@@ -28,6 +28,7 @@ from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.errors import ConfigError, UsageError
+from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
 from offload.store.pool import PinnedPool, footprint
@@ -292,6 +293,16 @@ class Engine:
         float16) to a safetensors file, one parameter at a time: the whole model
         is never in host memory at once. Every rank must call it; rank 0 writes."""
         write_safetensors(path, self.export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
+
+    def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
+                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+        """Write the consolidated weights (``dtype``) and the model's config files
+        as a directory ``transformers``' ``from_pretrained`` reads: safetensors
+        shards of at most ``max_shard_bytes`` with their index (Hugging Face's
+        names), streamed one parameter at a time. Every rank must call it; rank
+        0 writes. Returns the files written (on rank 0)."""
+        return write_pretrained(directory, self.export_plan(dtype), self.full_weights(dtype),
+                                model_configs(self.module), max_shard_bytes, write=self.rank == 0)
 
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
 

@@ -25,11 +25,14 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", t
 
 
 def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                      tensors: Iterable[tuple[str, torch.Tensor]], write: bool = True) -> None:
+                      tensors: Iterable[tuple[str, torch.Tensor]], write: bool = True,
+                      metadata: dict[str, str] | None = None) -> None:
     """Write the tensors ``plan`` announces, in that order, as ``tensors`` yields
-    them. The file appears complete or not at all (written beside, then renamed).
+    them, with ``metadata`` (the format's ``__metadata__``, strings only). The
+    file appears complete or not at all (written beside, then renamed).
     With ``write=False`` the tensors are consumed (collectives run) and nothing is written."""
-    header, offset = {}, 0
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for key, dtype, shape in plan:
         if dtype not in _DTYPES:
             raise UsageError(f"{key}: dtype {dtype} has no safetensors code")
@@ -62,6 +65,66 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
         for _ in tensors:  # let the other ranks finish the collectives behind the iterator
             pass
         raise
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's own limit
+
+
+class SafetensorsReader:
+    """One safetensors file, read a tensor (or a flat slice of one) at a time.
+    The header is checked against the file before anything is trusted: its
+    length, every dtype, and every tensor's byte range against its shape and
+    the data section, so a damaged or hostile file fails with its name."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        codes = {v: k for k, v in _DTYPES.items()}
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, 8, 0)
+            if len(head) < 8:
+                raise UsageError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER_BYTES, size - 8):
+                raise UsageError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
+            try:
+                header = json.loads(os.pread(self._fd, n, 8))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise UsageError(f"{path}: the safetensors header is not JSON ({exc})") from None
+            if not isinstance(header, dict):
+                raise UsageError(f"{path}: the safetensors header is not a JSON object")
+            self._base, data = 8 + n, size - 8 - n
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                try:
+                    dtype = codes[entry["dtype"]]
+                    shape = tuple(int(d) for d in entry["shape"])
+                    begin, end = (int(o) for o in entry["data_offsets"])
+                except (KeyError, TypeError, ValueError):
+                    raise UsageError(f"{path}: tensor {key!r} has a malformed header entry") from None
+                nbytes = torch.Size(shape).numel() * dtype.itemsize if all(d >= 0 for d in shape) else -1
+                if not (0 <= begin <= end <= data and end - begin == nbytes):
+                    raise UsageError(f"{path}: tensor {key!r}'s bytes [{begin}, {end}) do not fit its shape "
+                                     f"{list(shape)} of {entry['dtype']} in a data section of {data} bytes")
+                self.entries[key] = (dtype, shape, begin)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of tensor ``key``, flattened, in its own dtype."""
+        dtype, shape, begin = self.entries[key]
+        hi = torch.Size(shape).numel() if hi is None else hi
+        raw = bytearray(os.pread(self._fd, (hi - lo) * dtype.itemsize, self._base + begin + lo * dtype.itemsize))
+        if len(raw) != (hi - lo) * dtype.itemsize:
+            raise UsageError(f"{self.path}: tensor {key!r} is cut short (file truncated?)")
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -7,9 +7,9 @@
   rng.py        the random generators' states, saved per rank.
 """
 
-from offload.checkpoint.export import export
+from offload.checkpoint.export import export, export_pretrained
 from offload.checkpoint.format import Manifest, TrainingState, read_manifest, resolve
 from offload.checkpoint.save_load import load, save
 from offload.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Manifest", "TrainingState", "export", "load", "read_manifest", "resolve", "save"]
+__all__ = ["CheckpointError", "Manifest", "TrainingState", "export", "export_pretrained", "load", "read_manifest", "resolve", "save"]

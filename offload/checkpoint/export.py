@@ -9,11 +9,13 @@ plus one 16 MiB read buffer per rank file, with the keys and in the order
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
 
 from offload.checkpoint.format import Manifest, RankFile, read_extras, read_manifest, resolve
+from offload.pretrained import CONFIGS, DEFAULT_SHARD_BYTES, write_pretrained
 from offload.safetensors_file import write_safetensors
 from offload.zero.consolidate import assemble, export_plan, keep_local, named_weights, owned_ranges
 
@@ -49,3 +51,19 @@ def export(path: str, out: str, dtype: torch.dtype, tag: str | None = None) -> M
     plan, tensors = consolidated(directory, manifest, dtype)
     write_safetensors(out, plan, tensors)
     return manifest
+
+
+def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | None = None,
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, list[str]]:
+    """Write a checkpoint's consolidated weights as a model directory
+    ``from_pretrained`` reads (offload/pretrained.py), with the config files
+    the checkpoint kept; returns the manifest and the files written."""
+    directory = resolve(path, tag)
+    manifest = read_manifest(directory)
+    plan, tensors = consolidated(directory, manifest, dtype)
+    configs = {}
+    for name in CONFIGS:
+        if os.path.exists(os.path.join(directory, name)):
+            with open(os.path.join(directory, name)) as f:
+                configs[name] = f.read()
+    return manifest, write_pretrained(out_dir, plan, tensors, configs, max_shard_bytes)

@@ -49,6 +49,7 @@ from offload.checkpoint.format import (
     write_synced,
 )
 from offload.errors import CheckpointError, StorageError, UsageError
+from offload.pretrained import model_configs
 from offload.safetensors_file import write_safetensors
 from offload.zero import comm
 from offload.zero.consolidate import StateEntries
@@ -120,7 +121,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         client_state=client, files={rank_file(r): c for r, c in enumerate(crcs)},
         extra_keys=[key for key, _ in extras], extra_crc32=0, layout=layout_records(engine), rng=rngs,
     )
-    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, extras)
+    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, extras, model_configs(engine.module))
     return final
 
 
@@ -179,8 +180,11 @@ def _write_rank(engine: Checkpointable, partial: str) -> dict[str, list[int]]:
     return {name: w.crcs for name, w in zip(SECTIONS, writers)}
 
 
-def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, extras: list) -> None:
+def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, extras: list, configs: dict[str, str]) -> None:
+    """``configs``: the model's Hugging Face config files (``export --hf`` copies them)."""
     try:
+        for name, text in configs.items():
+            write_synced(os.path.join(partial, name), text.encode())
         if extras:
             extra_path = os.path.join(partial, EXTRA)
             write_safetensors(extra_path, [(k, v.dtype, tuple(v.shape)) for k, v in extras], extras)

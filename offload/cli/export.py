@@ -1,4 +1,7 @@
-"""``offload export``: a checkpoint's consolidated weights as one safetensors file.
+"""``offload export``: a checkpoint's consolidated weights as one safetensors
+file (``--out``), or as a model directory ``transformers``' ``from_pretrained``
+reads (``--hf``: sharded safetensors with their index, and the model's config
+files when the checkpoint kept them).
 
 Reads the fp32 master weights from every rank's shard file and assembles each
 parameter in turn, so the whole model is never in memory at once; needs
@@ -14,8 +17,9 @@ import os
 import time
 
 from offload import checkpoint
-from offload.cli.args import output_file
+from offload.cli.args import byte_size, output_file
 from offload.engine import DTYPES
+from offload.pretrained import DEFAULT_SHARD_BYTES
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,13 +27,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory, or the save directory holding `latest`")
     p.add_argument("--tag", default=None, help="the checkpoint under CHECKPOINT to export (default: latest)")
-    p.add_argument("--out", type=output_file, required=True, help="the safetensors file to write")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=output_file, help="the safetensors file to write")
+    where.add_argument("--hf", metavar="DIR", help="the model directory to write, for from_pretrained")
+    p.add_argument("--max-shard-size", type=byte_size, default=DEFAULT_SHARD_BYTES,
+                   help="with --hf: the largest shard, e.g. 5GB (default 5GB, as transformers)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.hf:
+        manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, DTYPES[args.dtype], args.tag,
+                                                       args.max_shard_size)
+        size = sum(os.path.getsize(os.path.join(args.hf, f)) for f in files)
+        print(f"wrote {args.hf}: {', '.join(files)}; {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
+              f"(step {manifest.training.global_steps}, {manifest.world_size} ranks) in {time.perf_counter() - start:.1f} s")
+        return 0
     manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
     size = os.path.getsize(args.out)
     print(f"wrote {args.out}: {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "

@@ -1,0 +1,146 @@
+"""Pretrained weights into an engine's partitions, a slice at a time.
+
+``load_weights(engine, path)`` reads a safetensors checkpoint (one file, or a
+directory holding ``model.safetensors`` or ``model.safetensors.index.json``
+and its shards, Hugging Face's layout) under the model's state-dict keys. Each
+rank reads only the slices of each tensor it owns and writes them into its
+master weights, sub-group by sub-group, through the same path a checkpoint
+load takes (``Engine.load_shard_state``), which then publishes the compute
+weights to their tier. So the whole model is never in host memory, whatever
+the stage or tier, and a model built under ``offload.init`` needs no values
+of its own first.
+
+A tied weight (one parameter under several keys) is read from whichever of
+its keys the checkpoint has, as ``from_pretrained`` does. A trainable
+parameter under none of its keys is an error naming it; so is a shape that
+differs. Buffers and frozen parameters the checkpoint has are copied too;
+those it lacks keep what the model's own initialisation gave them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from offload.errors import UsageError
+from offload.pretrained import INDEX, WEIGHTS
+from offload.safetensors_file import SafetensorsReader
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one safetensors file or of a sharded directory, by key."""
+
+    def __init__(self, path: str) -> None:
+        if os.path.isdir(path):
+            index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
+            if os.path.exists(index):
+                path = index
+            elif os.path.exists(single):
+                path = single
+            else:
+                raise UsageError(f"{path} holds neither {WEIGHTS} nor {INDEX}; pass a safetensors file or a model directory")
+        if not os.path.exists(path):
+            raise UsageError(f"{path} does not exist; pass a safetensors file or a model directory")
+        if path.endswith(".json"):
+            with open(path) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (ValueError, KeyError, TypeError):
+                    raise UsageError(f"{path}: not a safetensors index (no weight_map)") from None
+            folder = os.path.dirname(path)
+            files = sorted(set(weight_map.values()))
+            if any(os.path.basename(name) != name for name in files):
+                raise UsageError(f"{path}: the index names files outside its directory")
+            self.readers = {name: SafetensorsReader(os.path.join(folder, name)) for name in files}
+            self.where = {key: self.readers[name] for key, name in weight_map.items()}
+            for key, reader in self.where.items():
+                if key not in reader.entries:
+                    raise UsageError(f"{path} maps {key!r} to {reader.path}, which does not hold it")
+        else:
+            reader = SafetensorsReader(path)
+            self.readers = {path: reader}
+            self.where = dict.fromkeys(reader.entries, reader)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.where[key].entries[key][1]
+
+    def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self.where[key].read(key, lo, hi)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+
+
+def load_weights(engine, path: str) -> None:
+    """Load the checkpoint at ``path`` into ``engine``'s weights, before its first
+    step (the optimizer's moments start from zero). A collective in the sense
+    that every rank must call it; each reads only what it owns."""
+    if engine.global_steps or engine.micro_steps:
+        raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
+                         f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
+    checkpoint = SafetensorsCheckpoint(path)
+    try:
+        entries = engine.state_entries()
+        layout = engine.layout
+        source = {}
+        for slot in layout.slots:
+            keys = entries.keys_of[slot.param]
+            found = next((k for k in keys if k in checkpoint), None)
+            if found is None:
+                raise UsageError(f"{' / '.join(keys)} is missing from {path}: a trainable parameter needs a value "
+                                 "(check the checkpoint's key names against the model's state_dict)")
+            if tuple(checkpoint.shape(found)) != tuple(slot.shape):
+                raise UsageError(f"{found} has shape {list(checkpoint.shape(found))} in {path} but "
+                                 f"{list(slot.shape)} in the model")
+            source[slot] = found
+        for key, value in entries.others:
+            if key in checkpoint:
+                if tuple(checkpoint.shape(key)) != tuple(value.shape):
+                    raise UsageError(f"{key} has shape {list(checkpoint.shape(key))} in {path} but "
+                                     f"{list(value.shape)} in the model")
+                with torch.no_grad():
+                    value.copy_(checkpoint.read(key).view(value.shape))
+        pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
+                        key=lambda p: p.owned_lo)
+        groups: Iterator[tuple[int, int]] = iter(engine.optimizer.groups)
+
+        def fill(state: torch.Tensor) -> None:
+            lo, hi = next(groups)
+            state.zero_()
+            for piece in pieces:
+                a, b = max(lo, piece.owned_lo), min(hi, piece.owned_hi)
+                if a < b:
+                    first = piece.param_lo + a - piece.owned_lo
+                    state[0, a - lo : b - lo].copy_(checkpoint.read(source[piece.slot], first, first + b - a))
+
+        engine.load_shard_state(fill, 0)
+    finally:
+        checkpoint.close()
+
+
+def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None):
+    """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc.) built
+    from the ``config.json`` in directory ``path`` under ``offload.init``, wrapped
+    in an engine configured by ``config`` (as ``offload.initialize`` takes it),
+    with the weights of ``path`` loaded: the model is built one module at a
+    time (its own ``_init_weights`` gives buffers such as rotary frequencies
+    their values) and never whole in host memory at stage 3."""
+    import offload
+
+    model_config = model_class.config_class.from_pretrained(path)
+    with offload.init(config):
+        model = model_class(model_config)
+    engine = offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path)
+    try:
+        load_weights(engine, path)
+    except BaseException:
+        engine.close(restore_model=False)
+        raise
+    return engine

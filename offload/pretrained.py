@@ -1,0 +1,100 @@
+"""Model directories that ``transformers``' ``from_pretrained`` reads.
+
+The consolidated weights as safetensors, in shards of at most
+``max_shard_bytes`` named and indexed as Hugging Face names them (one
+``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and
+``model.safetensors.index.json`` mapping each key to its shard), each file
+marked ``{"format": "pt"}``; beside them the model's ``config.json`` and
+``generation_config.json`` when it has them. Weights stream one tensor at a
+time, as ``export`` does; each shard appears complete or not at all, and the
+index, written last, names only shards that are complete. Shards and an index
+of an earlier save in the same directory are removed first, so the two never mix.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+
+from offload.safetensors_file import write_safetensors
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIGS = ("config.json", "generation_config.json")
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+
+Plan = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def _nbytes(entry: tuple[str, torch.dtype, tuple[int, ...]]) -> int:
+    _, dtype, shape = entry
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def shards(plan: Plan, max_shard_bytes: int) -> list[Plan]:
+    """``plan`` cut in order into shards of at most ``max_shard_bytes`` (a larger
+    tensor gets a shard of its own)."""
+    out: list[Plan] = [[]]
+    size = 0
+    for entry in plan:
+        n = _nbytes(entry)
+        if out[-1] and size + n > max_shard_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(entry)
+        size += n
+    return out
+
+
+def model_configs(module: torch.nn.Module) -> dict[str, str]:
+    """The JSON texts of the model's Hugging Face config and generation config, where it has them."""
+    found = {}
+    for name, attr in zip(CONFIGS, ("config", "generation_config")):
+        config = getattr(module, attr, None)
+        if config is not None and callable(getattr(config, "to_json_string", None)):
+            found[name] = config.to_json_string()
+    return found
+
+
+def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, torch.Tensor]],
+                     configs: dict[str, str], max_shard_bytes: int = DEFAULT_SHARD_BYTES, write: bool = True) -> list[str]:
+    """Write the weights ``plan`` announces (``tensors`` yields them in order) and
+    ``configs`` (file name -> JSON text) into ``directory``; returns the files
+    written. ``write=False``: consume the tensors (their collectives run), write nothing."""
+    parts = shards(plan, max_shard_bytes)
+    names = [WEIGHTS] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+                                               for i in range(len(parts))]
+    if write:
+        os.makedirs(directory, exist_ok=True)
+        for stale in [os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX),
+                      *glob.glob(os.path.join(directory, "model-*-of-*.safetensors"))]:
+            if os.path.exists(stale):
+                os.unlink(stale)
+    stream = iter(tensors)
+    for name, part in zip(names, parts):
+        write_safetensors(os.path.join(directory, name), part, itertools.islice(stream, len(part)), write=write,
+                          metadata={"format": "pt"})
+    written = list(names)
+    if write and len(parts) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(e) for e in plan)},
+                 "weight_map": {key: name for name, part in zip(names, parts) for key, _, _ in part}}
+        _write_atomic(os.path.join(directory, INDEX), json.dumps(index, indent=2).encode())
+        written.append(INDEX)
+    if write:
+        for name, text in configs.items():
+            _write_atomic(os.path.join(directory, name), text.encode())
+            written.append(name)
+    return written
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".partial", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".partial", path)

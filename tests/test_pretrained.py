@@ -1,0 +1,289 @@
+"""Model directories that ``from_pretrained`` reads (offload/pretrained.py):
+``engine.save_pretrained`` and ``offload export CKPT --hf DIR`` write sharded
+safetensors with Hugging Face's names and index, and the model's config; a
+tiny GPT-2 and a tiny Llama built from their configs load back with
+``transformers.AutoModelForCausalLM.from_pretrained`` and give the engine's
+logits.
+
+And the way in (offload/load_weights.py): ``offload.load_weights`` puts such
+a checkpoint into a fresh engine's partitions at every stage and tier, at
+world sizes 1 and 2, with clear errors for a missing key or a wrong shape;
+``offload.from_pretrained`` builds a Hugging Face model under
+``offload.init`` and loads it."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.cli import main
+from offload.errors import UsageError
+from offload.pretrained import INDEX, WEIGHTS, shards
+from offload.safetensors_file import read_safetensors, write_safetensors
+
+from .zero.harness import batch, config, finish_rank, init_gloo, make_model, spawn_ranks
+
+
+def _engine(model, stage=3, tmp_path=None):
+    cfg = config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return offload.initialize(model, cfg)
+
+
+def _read_directory(directory) -> dict[str, torch.Tensor]:
+    names = os.listdir(directory)
+    if INDEX in names:
+        with open(os.path.join(directory, INDEX)) as f:
+            index = json.load(f)
+        files = sorted(set(index["weight_map"].values()))
+        out = {}
+        for name in files:
+            part = read_safetensors(os.path.join(directory, name))
+            assert all(index["weight_map"][k] == name for k in part)
+            out.update(part)
+        assert set(out) == set(index["weight_map"])
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+        return out
+    return read_safetensors(os.path.join(directory, WEIGHTS))
+
+
+def test_shards_cut_in_order_at_the_size_and_a_large_tensor_stands_alone():
+    plan = [(f"t{i}", torch.float32, (n,)) for i, n in enumerate([10, 10, 30, 5, 5])]
+    cut = shards(plan, 80)  # bytes: 40, 40, 120, 20, 20
+    assert [[k for k, _, _ in part] for part in cut] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+@pytest.mark.parametrize("max_shard_bytes", [10**9, 1500])
+def test_save_pretrained_writes_the_state_dict_in_shards_with_an_index(tmp_path, max_shard_bytes):
+    with _engine(make_model()) as engine:
+        state = engine.state_dict(torch.bfloat16)
+        files = engine.save_pretrained(str(tmp_path / "model"), torch.bfloat16, max_shard_bytes)
+    names = os.listdir(tmp_path / "model")
+    assert sorted(files) == sorted(names)
+    if max_shard_bytes == 10**9:
+        assert names == [WEIGHTS]
+    else:
+        assert INDEX in names and len(names) > 3
+        assert all(os.path.getsize(tmp_path / "model" / n) <= max_shard_bytes + 4096 for n in names if n != INDEX)
+    written = _read_directory(tmp_path / "model")
+    assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
+
+
+def test_a_second_save_replaces_the_first_shards(tmp_path):
+    out = str(tmp_path / "model")
+    with _engine(make_model()) as engine:
+        engine.save_pretrained(out, max_shard_bytes=1500)
+        engine.save_pretrained(out)
+    assert os.listdir(out) == [WEIGHTS]
+
+
+SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
+
+
+def _trained_directory(tmp_path, max_shard_bytes=1500) -> tuple[str, dict]:
+    out = str(tmp_path / "pretrained")
+    with _engine(make_model()) as engine:
+        for step in range(2):
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.step()
+        engine.save_pretrained(out, max_shard_bytes=max_shard_bytes)
+        return out, engine.state_dict()
+
+
+def _fresh(stage, device, param_device, nvme, seed=1, rank=0):
+    cfg = config(stage, device, 1, nvme if "nvme" in (device, param_device) else None, param_device=param_device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return offload.initialize(make_model(seed=seed), cfg)
+
+
+@pytest.mark.parametrize("stage,device,param_device", SETUPS)
+def test_load_weights_puts_a_checkpoint_into_every_stage_and_tier(tmp_path, stage, device, param_device):
+    directory, expected = _trained_directory(tmp_path)
+    os.makedirs(tmp_path / "nvme")
+    with _fresh(stage, device, param_device, str(tmp_path / "nvme")) as engine:
+        before = engine.state_dict()
+        assert not all(torch.equal(before[k], expected[k]) for k in expected)  # another init: the load is real
+        offload.load_weights(engine, directory)
+        loaded = engine.state_dict()
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+        engine.backward(engine(batch(0, 0, 0)))  # and it trains from there
+        engine.step()
+
+
+def _load_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    results = {}
+    for stage, device, param_device in SETUPS[1:]:
+        nvme = os.path.join(out_dir, f"nvme{rank}")
+        os.makedirs(nvme, exist_ok=True)
+        with _fresh(stage, device, param_device, nvme, rank=rank) as engine:
+            offload.load_weights(engine, os.path.join(out_dir, "pretrained"))
+            state = engine.state_dict()
+        expected = read_safetensors(os.path.join(out_dir, "expected.safetensors"))
+        results[f"{stage}-{device}-{param_device}"] = all(torch.equal(state[k], expected[k]) for k in expected)
+    finish_rank(out_dir, rank, results)
+
+
+def test_load_weights_with_two_ranks(tmp_path):
+    _, expected = _trained_directory(tmp_path)
+    write_safetensors(str(tmp_path / "expected.safetensors"), [(k, v.dtype, tuple(v.shape)) for k, v in expected.items()],
+                      expected.items())
+    for results in spawn_ranks(_load_worker, tmp_path):
+        assert results == {f"{s}-{d}-{p}": True for s, d, p in SETUPS[1:]}
+
+
+def _without(directory, drop: str, out, reshape=None) -> str:
+    tensors = _read_directory(directory)
+    tensors.pop(drop) if reshape is None else tensors.update({drop: tensors[drop].reshape(reshape)})
+    write_safetensors(str(out), [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], tensors.items())
+    return str(out)
+
+
+def test_load_weights_names_a_missing_key_and_a_wrong_shape(tmp_path):
+    directory, expected = _trained_directory(tmp_path)
+    key = "blocks.1.0.weight"
+    with _fresh(2, "cpu", None, None) as engine:
+        # head.weight is embed.weight (tied): either key is enough, as in from_pretrained.
+        offload.load_weights(engine, _without(directory, "head.weight", tmp_path / "tied.safetensors"))
+        assert torch.equal(engine.state_dict()["head.weight"], expected["head.weight"])
+    with _fresh(2, "cpu", None, None) as engine:
+        with pytest.raises(UsageError, match=f"{key} is missing from"):
+            offload.load_weights(engine, _without(directory, key, tmp_path / "missing.safetensors"))
+        with pytest.raises(UsageError, match=f"{key} has shape"):
+            offload.load_weights(engine, _without(directory, key, tmp_path / "bad.safetensors", reshape=(-1,)))
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+        with pytest.raises(UsageError, match="fresh engine"):
+            offload.load_weights(engine, directory)
+
+
+try:
+    import transformers
+except ImportError:
+    transformers = None
+needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed (pip install -e .[hf])")
+
+
+def _gpt2():
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=97, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train(engine, steps=2):
+    for step in range(steps):
+        ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(input_ids=ids, labels=ids))
+        engine.step()
+
+
+@needs_hf
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path, build):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(99))
+    model = build()
+    model.save_pretrained(str(tmp_path / "hf"))  # Hugging Face's own writer, tied weights dropped
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    os.makedirs(tmp_path / "nvme")
+    cfg = config(3, "nvme", 1, str(tmp_path / "nvme"), param_device="nvme")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = offload.from_pretrained(type(model), str(tmp_path / "hf"), cfg)
+    with engine:
+        engine.module.eval()
+        with torch.no_grad():
+            assert torch.equal(engine(input_ids=ids).logits, expected)
+
+
+@needs_hf
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_from_pretrained_loads_what_the_engine_trained(tmp_path, build):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(99))
+    with _engine(build()) as engine:
+        _train(engine)
+        engine.save_pretrained(str(tmp_path / "model"), max_shard_bytes=50_000)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.module.eval()  # as from_pretrained returns it: no dropout
+        with torch.no_grad():
+            expected = engine(input_ids=ids).logits
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported"), "--max-shard-size", "50000"]) == 0
+    for directory in ("model", "exported"):
+        assert {"config.json", "generation_config.json", INDEX} <= set(os.listdir(tmp_path / directory))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / directory))
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, expected), directory
+
+
+_LOAD_SCRIPT = """
+import sys, psutil, torch, offload
+from offload import safetensors_file
+path, layers = sys.argv[1], int(sys.argv[2])
+
+def Wide():
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
+
+cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 250_000,
+                             "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                             "offload_param": {"device": "nvme", "nvme_path": path, "buffer_size": 1_100_000,
+                                               "max_in_cpu": 0}},
+       "aio": {"block_size": 1 << 20}}
+torch.manual_seed(0)
+with offload.initialize(Wide(), cfg) as engine:
+    engine.export(path + "/wide.safetensors")
+torch.manual_seed(1)
+with offload.init(cfg):
+    model = Wide()
+engine = offload.initialize(model, cfg)
+rss_before = psutil.Process().memory_info().rss
+peak = rss_before
+original = safetensors_file.SafetensorsReader.read
+
+def sampled(self, *args):
+    global peak
+    peak = max(peak, psutil.Process().memory_info().rss)
+    return original(self, *args)
+
+safetensors_file.SafetensorsReader.read = sampled
+offload.load_weights(engine, path + "/wide.safetensors")
+peak = max(peak, psutil.Process().memory_info().rss)
+loaded = engine.state_dict()
+engine.close()
+torch.manual_seed(0)
+print(all(torch.equal(loaded[k], v) for k, v in Wide().state_dict().items()), peak - rss_before)
+"""
+
+
+def test_load_weights_never_holds_the_model(tmp_path):
+    """Stage 3 on NVMe, the model built under offload.init: loading reads slice
+    by slice into fixed buffers, so host memory grows by the same few MB
+    whether the model is 34 or 101 MB (measured 19 MB for both, the pools'
+    buffers). In a subprocess with glibc's mmap threshold fixed, as the
+    export's test."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": root}
+    growth = {}
+    for layers in (8, 24):
+        os.makedirs(tmp_path / str(layers))
+        out = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(tmp_path / str(layers)), str(layers)],
+                             capture_output=True, text=True, env=env, timeout=300, check=True).stdout.split()
+        assert out[-2] == "True"
+        growth[layers] = int(out[-1])
+    model_bytes = 24 * (1024 * 1024 + 1024) * 4  # 101 MB
+    assert growth[24] < model_bytes / 4 and growth[24] < 1.25 * growth[8] + (2 << 20), growth

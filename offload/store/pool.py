@@ -80,8 +80,8 @@ class PinnedPool:
                 self.allocated_bytes -= _footprint(self._idle[other].pop())
         if self.allocated_bytes + size > self.limit_bytes:
             raise PoolExhausted(
-                f"pinned buffer pool: {size:,} more bytes would pass {self.setting}={self.limit_bytes:,} "
-                f"({self.in_use_bytes:,} bytes in use by {len(self._in_use)} buffers); raise {self.setting} "
+                f"pinned buffer pool: {size:,} more bytes would pass its limit of {self.limit_bytes:,} bytes, "
+                f"set by {self.setting} ({self.in_use_bytes:,} bytes in use by {len(self._in_use)} buffers); raise {self.setting} "
                 "or hold fewer shards in memory at once"
             )
 

@@ -132,7 +132,7 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
     with the weights of ``path`` loaded: the model is built one module at a
     time (its own ``_init_weights`` gives buffers such as rotary frequencies
     their values) and never whole in host memory at stage 3."""
-    import offload
+    import offload  # its entry points; not at the top, since offload imports this module
 
     model_config = model_class.config_class.from_pretrained(path)
     with offload.init(config):

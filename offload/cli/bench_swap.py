@@ -459,7 +459,8 @@ class _DeepSpeed:
     @staticmethod
     def unavailable() -> str | None:
         """Why DeepSpeed's aio cannot run here, or None."""
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed refuses to import on a CPU-only machine otherwise
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # without it DeepSpeed refuses to import on a CPU-only machine
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
         except Exception as exc:  # noqa: BLE001 - any import failure means the same: no baseline

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from offload.safetensors_file import write_safetensors
+from offload.safetensors_file import nbytes, write_safetensors
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -31,18 +31,14 @@ DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 Plan = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
 
-def _nbytes(entry: tuple[str, torch.dtype, tuple[int, ...]]) -> int:
-    _, dtype, shape = entry
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
 def shards(plan: Plan, max_shard_bytes: int) -> list[Plan]:
     """``plan`` cut in order into shards of at most ``max_shard_bytes`` (a larger
     tensor gets a shard of its own)."""
     out: list[Plan] = [[]]
     size = 0
     for entry in plan:
-        n = _nbytes(entry)
+        _, dtype, shape = entry
+        n = nbytes(dtype, shape)
         if out[-1] and size + n > max_shard_bytes:
             out.append([])
             size = 0
@@ -81,7 +77,7 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
                           metadata={"format": "pt"})
     written = list(names)
     if write and len(parts) > 1:
-        index = {"metadata": {"total_size": sum(_nbytes(e) for e in plan)},
+        index = {"metadata": {"total_size": sum(nbytes(dtype, shape) for _, dtype, shape in plan)},
                  "weight_map": {key: name for name, part in zip(names, parts) for key, _, _ in part}}
         _write_atomic(os.path.join(directory, INDEX), json.dumps(index, indent=2).encode())
         written.append(INDEX)

@@ -24,6 +24,11 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", t
            torch.bool: "BOOL"}
 
 
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` in the data section."""
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
 def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
                       tensors: Iterable[tuple[str, torch.Tensor]], write: bool = True,
                       metadata: dict[str, str] | None = None) -> None:
@@ -36,7 +41,7 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
     for key, dtype, shape in plan:
         if dtype not in _DTYPES:
             raise UsageError(f"{key}: dtype {dtype} has no safetensors code")
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = nbytes(dtype, shape)
         header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -105,8 +110,8 @@ class SafetensorsReader:
                     begin, end = (int(o) for o in entry["data_offsets"])
                 except (KeyError, TypeError, ValueError):
                     raise UsageError(f"{path}: tensor {key!r} has a malformed header entry") from None
-                nbytes = torch.Size(shape).numel() * dtype.itemsize if all(d >= 0 for d in shape) else -1
-                if not (0 <= begin <= end <= data and end - begin == nbytes):
+                size = nbytes(dtype, shape) if all(d >= 0 for d in shape) else -1
+                if not (0 <= begin <= end <= data and end - begin == size):
                     raise UsageError(f"{path}: tensor {key!r}'s bytes [{begin}, {end}) do not fit its shape "
                                      f"{list(shape)} of {entry['dtype']} in a data section of {data} bytes")
                 self.entries[key] = (dtype, shape, begin)
@@ -128,17 +133,9 @@ class SafetensorsReader:
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Read a whole safetensors file (for tests and small models)."""
-    codes = {v: k for k, v in _DTYPES.items()}
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        raw = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.uint8)
-        out[key] = raw.view(codes[entry["dtype"]]).view(entry["shape"])
-    return out
+    """Read a whole safetensors file (for tests and small models), checked as ``SafetensorsReader`` checks it."""
+    reader = SafetensorsReader(path)
+    try:
+        return {key: reader.read(key).view(shape) for key, (_, shape, _) in reader.entries.items()}
+    finally:
+        reader.close()

@@ -123,7 +123,10 @@ class Engine:
             self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count)
         else:
             self.update = ImmediateUpdate(self.optimizer, self.weights, self.gradient)
-        self.micro_steps = 0
+        self.micro_steps = 0  # backward passes, in all
+        self.pending_micro_steps = 0  # backward passes since the last step
+        self._window_ended = False
+        self._next_ends: bool | None = None  # set_gradient_accumulation_boundary
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -169,20 +172,33 @@ class Engine:
         self.weights.begin_pass()
         return self.module(*args, **kwargs)
 
-    def backward(self, loss) -> None:
-        """Backward of ``loss`` (scaled for fp16, divided over accumulation steps).
-        ``loss`` is the scalar tensor, or a model output holding it: an object
-        with a ``.loss`` (a Hugging Face ``ModelOutput``), a dict with ``"loss"``,
-        or a tuple whose first element is the loss."""
+    def backward(self, loss, scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
+        unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
+        normalised over the whole accumulated batch). ``loss`` is the scalar
+        tensor, or a model output holding it: an object with a ``.loss`` (a
+        Hugging Face ``ModelOutput``), a dict with ``"loss"``, or a tuple whose
+        first element is the loss."""
         loss = _loss_of(loss)
-        last = (self.micro_steps + 1) % self.accumulation == 0
+        last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
+        self._next_ends = None
         if last and not self.update.in_flight:
             self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
-        (loss * (self.scaler.scale / self.accumulation)).backward()
+        (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
         self.reducer.end_of_backward()
         self.update.end_backward()
         self.weights.end_backward()
         self.micro_steps += 1
+        self.pending_micro_steps += 1
+        self._window_ended = last
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """As in DeepSpeed: whether the next backward ends its accumulation
+        window, whatever ``gradient_accumulation_steps`` says; for loops whose
+        windows vary (a Trainer steps after an epoch's last, shorter window).
+        The loss is divided by ``gradient_accumulation_steps`` all the same
+        unless backward is given ``scale_wrt_gas=False``."""
+        self._next_ends = bool(is_boundary)
 
     def zero_grad(self) -> None:
         """Gradients are consumed by the reducer as they are produced; kept for API compatibility."""
@@ -191,12 +207,14 @@ class Engine:
 
     @property
     def is_boundary(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.accumulation == 0
+        """The last backward ended an accumulation window that no step has taken yet."""
+        return self._window_ended
 
     def step(self) -> None:
         """The optimizer step, at gradient-accumulation boundaries only."""
-        if not self.is_boundary or self.micro_steps // self.accumulation == self.global_steps:
+        if not self._window_ended:
             return
+        self._window_ended, self.pending_micro_steps = False, 0
         self.times = PhaseTimes()
         start = time.perf_counter()
         self.reducer.at_boundary()
@@ -332,6 +350,7 @@ class Engine:
 
     def restore_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps, self.skipped_steps = state.global_steps, state.micro_steps, state.skipped_steps
+        self.pending_micro_steps, self._window_ended = 0, False  # saved and restored between steps only
         self.lr = state.lr
         self.scaler.load_state_dict(state.loss_scaler)
 

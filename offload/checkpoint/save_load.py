@@ -63,6 +63,7 @@ class Checkpointable(Protocol):
     world: int
     layout: FlatLayout
     accumulation: int
+    pending_micro_steps: int  # backward passes since the last step
     module: torch.nn.Module
 
     @property
@@ -127,9 +128,9 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
 
 def _require_step_boundary(engine: Checkpointable, progress: TrainingState, what: str) -> None:
     """Between optimizer steps no gradient is pending, so none is lost or mixed in."""
-    if progress.micro_steps != progress.global_steps * engine.accumulation:
-        raise UsageError(f"{what} in the middle of gradient accumulation (micro-step {progress.micro_steps}, "
-                         f"{engine.accumulation} per step, {progress.global_steps} steps done); call it after engine.step()")
+    if engine.pending_micro_steps:
+        raise UsageError(f"{what} in the middle of gradient accumulation ({engine.pending_micro_steps} backward "
+                         f"pass(es) since step {progress.global_steps}); call it after engine.step()")
 
 
 def _agree(action, acting: bool, *args):

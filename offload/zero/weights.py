@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from offload.errors import UsageError
 from offload.report import DiskTraffic, MemoryReport
 from offload.zero import comm
 from offload.zero.layout import FlatLayout
@@ -80,7 +81,16 @@ class ReplicatedWeights:
         self._uploads: list[Pending] = []  # staging -> flat copies of this publish
 
     def begin_pass(self) -> None:
-        pass
+        """Every parameter must still view the flat buffer: one moved or replaced
+        after ``initialize`` (``model.to`` another device, even ``cpu:0`` for
+        ``cpu``; ``param.data = ...``) would train a copy that no step updates."""
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        for slot in self.layout.slots:
+            if slot.param.data_ptr() != base + slot.offset * size:
+                raise UsageError(f"parameter {slot.name} no longer lives where the engine put it (on "
+                                 f"{self.flat.device}): the model was moved or its parameters replaced after "
+                                 f"offload.initialize; move the model before initialize, and load weights with "
+                                 f"engine.load_checkpoint or offload.load_weights")
 
     def end_backward(self) -> None:
         pass

@@ -132,8 +132,14 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
     with the weights of ``path`` loaded: the model is built one module at a
     time (its own ``_init_weights`` gives buffers such as rotary frequencies
     their values) and never whole in host memory at stage 3."""
+    import transformers
+
     import offload  # its entry points; not at the top, since offload imports this module
 
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise UsageError(f"offload.from_pretrained needs transformers >= 5 (found {transformers.__version__}): earlier "
+                         "versions' _init_weights leave buffers such as rotary frequencies unset on a model built "
+                         "on the meta device; pip install -U 'transformers>=5'")
     model_config = model_class.config_class.from_pretrained(path)
     with offload.init(config):
         model = model_class(model_config)

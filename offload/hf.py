@@ -1,0 +1,289 @@
+"""``OffloadTrainer``: Hugging Face's ``Trainer`` with an offload engine under it.
+
+    from offload.hf import OffloadTrainer
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=data,
+                             offload_config="ds_config.json")
+    trainer.train()
+
+Note [Trainer wiring]
+The Trainer's own loop runs unchanged (data, accumulation, callbacks, logging,
+evaluation, checkpoint rotation); only the places where it touches the model's
+gradients or its optimizer are routed to the engine, the way it routes them to
+DeepSpeed:
+  - the model the loop calls is the engine (``_EngineModule``), never wrapped
+    in DDP: the engine reduces gradients itself;
+  - backward is ``engine.backward``, given the loss the Trainer has already
+    normalised for gradient accumulation (``scale_wrt_gas=False``), and the
+    Trainer says which backward ends a window (an epoch's last window may be
+    shorter than ``gradient_accumulation_steps``);
+  - the model stays where the engine put it (no ``model.to(args.device)``:
+    on two CPU ranks that is ``cpu:0``, a copy);
+  - the optimizer is ``EngineOptimizer``: the Trainer's schedule sets its
+    learning rate, and its ``step`` hands that rate to the engine and steps it.
+    Clipping (``max_grad_norm``) is the engine's, from the config;
+  - a Trainer checkpoint holds an engine checkpoint (``offload/`` inside
+    ``checkpoint-N``) beside the scheduler, RNG and trainer state, so
+    ``resume_from_checkpoint`` restores every bit of the training state, and
+    the consolidated weights with ``config.json``, which ``from_pretrained``
+    reads.
+
+Note ["auto" values]
+As Hugging Face does for a DeepSpeed config, ``"auto"`` takes its value from
+``TrainingArguments`` (and from the model's ``hidden_size`` for the bucket
+sizes), and a value given explicitly must agree with the arguments: two
+sources for one setting that disagree are an error, not a silent choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import torch
+
+from offload.config import Config
+from offload.errors import CheckpointError, ConfigError, UsageError
+from offload.zero.materialize import is_meta
+
+try:
+    import transformers
+except ImportError as e:  # the [hf] extra
+    raise ImportError("offload.hf needs transformers: pip install -e .[hf]") from e
+
+ENGINE_CHECKPOINT = "offload"  # the engine checkpoint's directory inside a Trainer checkpoint
+SCHEDULER_FILE = "scheduler.pt"  # the name Trainer uses, so its own tools find it
+EXACT_ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values that are plain AdamW
+
+
+def _arguments(args: transformers.TrainingArguments) -> dict[str, object]:
+    """Config keys and the values the Trainer's arguments give them."""
+    return {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "fp16.enabled": bool(args.fp16),
+        "bf16.enabled": bool(args.bf16),
+    }
+
+
+def _model_sized(model: torch.nn.Module) -> dict[str, object]:
+    """Bucket sizes Hugging Face derives from the model's width for "auto"."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden is None:
+        return {}
+    return {"zero_optimization.reduce_bucket_size": hidden * hidden,
+            "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}
+
+
+def resolve_config(source: str | os.PathLike | dict, args: transformers.TrainingArguments,
+                   model: torch.nn.Module) -> dict:
+    """The offload config with every "auto" resolved (Note ["auto" values])."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source) as f:
+            data = json.load(f)
+    elif isinstance(source, dict):
+        data = copy.deepcopy(source)
+    else:
+        raise ConfigError(f"offload_config is a path or a dict, got {type(source).__name__}")
+    if "scheduler" in data:
+        raise ConfigError("offload_config has a 'scheduler' section; under OffloadTrainer the Trainer's schedule "
+                          "(TrainingArguments.lr_scheduler_type, warmup_steps, warmup_ratio) drives the learning "
+                          "rate: remove the section")
+    if "optimizer" not in data:
+        if args.optim not in EXACT_ADAMW:
+            raise ConfigError(f"TrainingArguments.optim is {args.optim!r}, but offload trains with its own AdamW; use "
+                              f"one of {', '.join(EXACT_ADAMW)}, or give offload_config an 'optimizer' section")
+        data["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
+    from_args, from_model = _arguments(args), _model_sized(model)
+    mismatches = []
+    for key, value in _leaves(data):
+        if value == "auto":
+            if key in from_args:
+                _set(data, key, from_args[key])
+            elif key in from_model:
+                _set(data, key, from_model[key])
+            else:
+                raise ConfigError(f"offload_config key {key} is 'auto', which OffloadTrainer resolves only for "
+                                  f"{', '.join(sorted({**from_args, **from_model}))}" +
+                                  ("" if from_model else " (the bucket sizes need the model's config.hidden_size)") +
+                                  "; give it a value")
+        elif key in from_args and not _agrees(value, from_args[key]):
+            mismatches.append(f"{key} is {value!r} but TrainingArguments give {from_args[key]!r}")
+    if mismatches:
+        raise ConfigError("offload_config disagrees with TrainingArguments: " + "; ".join(mismatches) +
+                          "; set the key to 'auto' or make the two agree")
+    return data
+
+
+def _leaves(data: dict, prefix: str = ""):
+    for key, value in list(data.items()):
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _set(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        data = data[key]
+    data[last] = value
+
+
+def _agrees(given, expected) -> bool:
+    if isinstance(expected, (list, tuple)):
+        return isinstance(given, (list, tuple)) and len(given) == len(expected) and \
+            all(_agrees(g, e) for g, e in zip(given, expected))
+    if isinstance(expected, bool):
+        return given is expected
+    return isinstance(given, (int, float)) and not isinstance(given, bool) and float(given) == float(expected)
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer steps and schedules (Note [Trainer wiring]): one group
+    whose ``lr`` the schedule sets; ``step`` gives it to the engine. The
+    state is the engine's, saved in its checkpoints."""
+
+    def __init__(self, engine, params) -> None:
+        super().__init__(params, {"lr": engine.lr})
+        self.engine = engine
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise UsageError("EngineOptimizer.step takes no closure: the engine's step uses the gradients of "
+                             "engine.backward")
+        self.engine.lr = self.param_groups[0]["lr"]
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine consumes gradients as backward makes them."""
+
+
+class _EngineModule(torch.nn.Module):
+    """The model as the Trainer's loop calls it: through the engine, so stage 3
+    gathers its weights, and not wrapped in DDP by Accelerate (the engine
+    reduces gradients itself)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+
+class OffloadTrainer(transformers.Trainer):
+    """``transformers.Trainer`` with the model trained by an offload engine
+    configured by ``offload_config`` (a DeepSpeed-style file or dict, with
+    "auto" values; Note ["auto" values]). ``nvme_path`` replaces the config's
+    swap directories. The model may be built under ``offload.init``; then
+    ``offload.load_weights(trainer.engine, directory)`` before ``train()``
+    loads pretrained weights straight into the partitions. Everything else is
+    the Trainer's (Note [Trainer wiring])."""
+
+    def __init__(self, model=None, args=None, *trainer_args, offload_config=None, nvme_path=None, **kwargs) -> None:
+        if offload_config is None:
+            raise UsageError("OffloadTrainer needs offload_config= (a DeepSpeed-style JSON file or dict)")
+        if model is None or not isinstance(model, torch.nn.Module):
+            raise UsageError("OffloadTrainer needs model= (a torch.nn.Module); model_init is not supported")
+        if trainer_args:
+            raise UsageError("OffloadTrainer takes its arguments after args= by name (train_dataset=..., ...)")
+        optimizers = kwargs.pop("optimizers", (None, None))
+        if any(o is not None for o in optimizers) or kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise UsageError("OffloadTrainer builds the optimizer from offload_config and the schedule from "
+                             "TrainingArguments; drop optimizers= / optimizer_cls_and_kwargs=")
+        args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
+        if args.deepspeed or args.fsdp:
+            raise UsageError("OffloadTrainer replaces DeepSpeed and FSDP: drop TrainingArguments.deepspeed / fsdp")
+        if args.load_best_model_at_end:
+            raise UsageError("TrainingArguments.load_best_model_at_end is not supported by OffloadTrainer yet: "
+                             "load the best checkpoint's weights with offload.load_weights into a fresh engine")
+        resolved = resolve_config(offload_config, args, model)
+        if resolved["optimizer"]["params"].get("weight_decay", 0):
+            warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
+                          "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
+        import offload
+
+        config = Config.load(resolved)
+        # A model built under offload.init gets its values from its own initialiser
+        # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
+        init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
+        self.engine = offload.initialize(model, config, init_fn=init_fn, nvme_path=nvme_path)
+        self._engine_module = _EngineModule(self.engine)
+        optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
+        super().__init__(model, args, optimizers=(optimizer, None), **kwargs)
+
+    # -- the loop's touch points (Note [Trainer wiring]) ------------------------------
+
+    def _move_model_to_device(self, model, device) -> None:
+        """The engine placed the model (and its parameters view the engine's
+        buffers, which a move would copy them out of)."""
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self._engine_module
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.x lets a subclass say
+        if scaled is None:  # the Trainer's own rule
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        # The loop's windows vary (an epoch's last one may be shorter): its word decides.
+        self.engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+        self.engine.backward(loss, scale_wrt_gas=False)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model):
+        return None  # the engine clips, at its step (gradient_clipping)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known after the step: see _maybe_log_save_evaluate
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs) -> None:
+        super()._maybe_log_save_evaluate(tr_loss, self.engine.last_grad_norm, *args, **kwargs)
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The consolidated weights (compute dtype) and the model's config files,
+        as ``from_pretrained`` reads them; every rank takes part, rank 0 writes."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.engine.save_pretrained(output_dir, dtype=self.engine.dtype)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The weights come back with the engine checkpoint (``_load_optimizer_and_scheduler``)."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
+            raise CheckpointError(f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINT}/): "
+                                  "resume from a checkpoint an OffloadTrainer saved")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(checkpoint, tag=ENGINE_CHECKPOINT)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr

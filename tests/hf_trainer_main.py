@@ -1,0 +1,99 @@
+"""One fine-tuning run of a tiny GPT-2 (built from its config, dropout on)
+with plain ``transformers.Trainer`` or with ``OffloadTrainer``: the same seed,
+data, warm-up and decay, accumulation and clipping. tests/test_hf_trainer.py
+runs it in process, and under torchrun for two ranks:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_main.py OUT STAGE
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+import transformers
+
+STEPS, VOCAB, SEQ = 20, 97, 16
+
+
+def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 200) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def offload_config(stage: int) -> dict:
+    """A DeepSpeed-style config as Hugging Face users write them: "auto" wherever
+    the Trainer's arguments know the value."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+            "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(offload_param={"device": "nvme", "nvme_path": "/local_nvme"}, stage3_prefetch_bucket_size="auto",
+                    stage3_param_persistence_threshold="auto")
+        del zero["reduce_bucket_size"]
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {
+                "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "zero_optimization": zero}
+
+
+def arguments(out: str, max_steps: int = STEPS, save_steps: int | None = None) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=2e-3, warmup_steps=5, lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], seed=0,
+        use_cpu=True, disable_tqdm=True, data_seed=0)
+
+
+def train(out: str, stage: int | None, nvme: str | None = None, resume: str | None = None,
+          save_steps: int | None = None) -> transformers.Trainer:
+    """Plain Trainer when ``stage`` is None; else OffloadTrainer at that stage, swap files under ``nvme``."""
+    from offload.hf import OffloadTrainer
+
+    model = copy.deepcopy(tiny_gpt2())
+    if nvme is not None:
+        os.makedirs(nvme, exist_ok=True)
+    args = arguments(out, save_steps=save_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if stage is None:
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        else:
+            trainer = OffloadTrainer(model=model, args=args, train_dataset=Tokens(), offload_config=offload_config(stage),
+                                     nvme_path=nvme)
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def logged(trainer: transformers.Trainer, key: str) -> list[float]:
+    return [h.get(key) for h in trainer.state.log_history if "loss" in h]
+
+
+if __name__ == "__main__":
+    out, stage = sys.argv[1], int(sys.argv[2])
+    transformers.logging.set_verbosity_error()
+    rank = int(os.environ["RANK"])
+    plain = train(os.path.join(out, "plain"), None)
+    engine = train(os.path.join(out, "offload"), stage, nvme=os.path.join(out, f"nvme{rank}"))
+    engine.engine.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"plain": logged(plain, "loss"), "offload": logged(engine, "loss"),
+                   "plain_lr": logged(plain, "learning_rate"), "offload_lr": logged(engine, "learning_rate"),
+                   "plain_norm": logged(plain, "grad_norm"), "offload_norm": logged(engine, "grad_norm")}, f)

@@ -1,0 +1,160 @@
+"""``OffloadTrainer`` (offload/hf.py): a tiny GPT-2 fine-tuned for 20 steps
+(warm-up and linear decay, accumulation 2, clipping, dropout on) gives the
+losses of plain ``transformers.Trainer`` within 1e-4 relative, at stages 2 and
+3 with NVMe tiers, on one rank and on two; resuming from the checkpoint of
+step 10 continues bitwise; "auto" values come from ``TrainingArguments`` and
+disagreements are errors that name both sides."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload.errors import ConfigError, UsageError
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install -e .[hf])")
+
+from offload.hf import OffloadTrainer, resolve_config  # noqa: E402
+
+from . import hf_trainer_main as run  # noqa: E402
+
+TOLERANCE = 1e-4  # relative, on each logged loss; measured: about 2e-7
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == run.STEPS
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_trainer_gives_the_losses_of_plain_trainer(tmp_path, stage):
+    plain = run.train(str(tmp_path / "plain"), None)
+    trainer = run.train(str(tmp_path / "offload"), stage, nvme=str(tmp_path / "nvme"))
+    assert _relative(run.logged(plain, "loss"), run.logged(trainer, "loss")) < TOLERANCE
+    # the Trainer's schedule drove the engine (warm-up, then linear decay): the
+    # last step took the last rate logged
+    assert run.logged(trainer, "learning_rate") == run.logged(plain, "learning_rate")
+    assert trainer.engine.lr == run.logged(plain, "learning_rate")[-1]
+    assert _relative(run.logged(plain, "grad_norm"), run.logged(trainer, "grad_norm")) < TOLERANCE
+    trainer.engine.close()
+    assert os.listdir(tmp_path / "nvme") == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_give_the_losses_of_plain_trainer_under_ddp(tmp_path, stage):
+    script = os.path.join(os.path.dirname(__file__), "hf_trainer_main.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                           str(tmp_path), str(stage)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert _relative(result["plain"], result["offload"]) < TOLERANCE
+        assert result["plain_lr"] == result["offload_lr"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage):
+    whole = run.train(str(tmp_path / "run"), stage, nvme=str(tmp_path / "nvme1"), save_steps=10)
+    checkpoint = tmp_path / "run" / "checkpoint-10"
+    assert (checkpoint / "offload").is_dir() and (checkpoint / "scheduler.pt").is_file()
+    resumed = run.train(str(tmp_path / "again"), stage, nvme=str(tmp_path / "nvme2"), resume=str(checkpoint))
+    assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
+    assert run.logged(resumed, "learning_rate") == run.logged(whole, "learning_rate")
+    a, b = whole.engine.state_dict(), resumed.engine.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the checkpoint's weights are a model directory Hugging Face reads
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 192)
+    whole.engine.close()
+    resumed.engine.close()
+
+
+def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):
+    plain = run.train(str(tmp_path / "plain"), None, save_steps=10)
+    with pytest.raises(Exception, match="no engine checkpoint"):
+        run.train(str(tmp_path / "offload"), 2, nvme=str(tmp_path / "nvme"),
+                  resume=str(tmp_path / "plain" / "checkpoint-10"))
+    assert plain.state.global_step == run.STEPS
+
+
+# -- "auto" values -------------------------------------------------------------------------
+
+
+def _args(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=5,
+                  learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, weight_decay=0.0,
+                  max_grad_norm=0.25, use_cpu=True, report_to=[])
+    values.update(overrides)
+    return transformers.TrainingArguments(**values)
+
+
+def test_auto_values_come_from_the_training_arguments_and_the_model(tmp_path):
+    config = resolve_config(run.offload_config(3), _args(tmp_path), run.tiny_gpt2())
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 5
+    assert config["gradient_clipping"] == 0.25
+    assert config["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.0}
+    zero = config["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and zero["stage3_param_persistence_threshold"] == 640
+    # without an optimizer section, TrainingArguments' AdamW is the optimizer
+    bare = resolve_config({"zero_optimization": {"stage": 2}}, _args(tmp_path), run.tiny_gpt2())
+    assert bare["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7,
+                                                             "weight_decay": 0.0}}
+
+
+def test_explicit_values_that_disagree_with_the_arguments_are_errors(tmp_path):
+    config = run.offload_config(2)
+    config["optimizer"]["params"]["lr"] = 1e-3
+    config["gradient_accumulation_steps"] = 5  # agrees: fine
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr is 0.001 but TrainingArguments give 0.0003"):
+        resolve_config(config, _args(tmp_path), run.tiny_gpt2())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c, a: c.update(scheduler={"type": "WarmupLR"}), "remove the section"),
+    (lambda c, a: c.pop("optimizer") and setattr(a, "optim", "sgd"), "TrainingArguments.optim is 'sgd'"),
+    (lambda c, a: c["zero_optimization"].update(sub_group_size="auto"), "zero_optimization.sub_group_size is 'auto'"),
+])
+def test_what_cannot_be_resolved_is_named(tmp_path, change, message):
+    config, args = run.offload_config(2), _args(tmp_path)
+    change(config, args)
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(config, args, run.tiny_gpt2())
+
+
+def test_settings_the_engine_replaces_are_refused(tmp_path):
+    model, config = run.tiny_gpt2(), run.offload_config(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="drop optimizers="):
+        OffloadTrainer(model=model, args=_args(tmp_path), offload_config=config, optimizers=(optimizer, None))
+    with pytest.raises(UsageError, match="load_best_model_at_end"):
+        OffloadTrainer(model=model, args=_args(tmp_path, load_best_model_at_end=True, eval_strategy="steps",
+                                               save_strategy="steps"), offload_config=config)
+    with pytest.raises(UsageError, match="needs offload_config"):
+        OffloadTrainer(model=model, args=_args(tmp_path))
+
+
+def test_the_example_fine_tunes_and_its_model_loads_back_into_partitions(tmp_path):
+    """examples/finetune_hf.py: the held-out loss falls; run again from the model
+    it wrote (built under offload.init, weights loaded into stage 3's NVMe
+    partitions), it starts where the first run ended."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "finetune_hf.py")
+
+    def finetune(out, *extra):
+        proc = subprocess.run([sys.executable, script, "--out", str(out), "--steps", "10", "--seq", "64",
+                               "--nvme", str(tmp_path), *extra], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "TQDM_DISABLE": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = proc.stdout.strip().splitlines()[-1]  # "held-out loss A -> B; ..."
+        before, after = line.split("held-out loss ")[1].split(";")[0].split(" -> ")
+        return float(before), float(after)
+
+    before, after = finetune(tmp_path / "first")
+    assert after < before - 0.5
+    again, _ = finetune(tmp_path / "second", "--model", str(tmp_path / "first" / "final"))
+    assert again == pytest.approx(after, abs=1e-3)
+    assert sorted(os.listdir(tmp_path)) == ["first", "second"]  # no swap file left behind

@@ -31,7 +31,10 @@ Note ["auto" values]
 As Hugging Face does for a DeepSpeed config, ``"auto"`` takes its value from
 ``TrainingArguments`` (and from the model's ``hidden_size`` for the bucket
 sizes), and a value given explicitly must agree with the arguments: two
-sources for one setting that disagree are an error, not a silent choice.
+sources for one setting that disagree are an error, not a silent choice. A
+key the arguments set (clipping, batch sizes, the AdamW hyper-parameters,
+bf16/fp16) that the config leaves out takes the arguments' value too, where
+DeepSpeed would silently use its own default (no clipping, for one).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
                                   "; give it a value")
         elif key in from_args and not _agrees(value, from_args[key]):
             mismatches.append(f"{key} is {value!r} but TrainingArguments give {from_args[key]!r}")
+    for key, value in from_args.items():  # absent: the Trainer's arguments still say what the Trainer does
+        _set(data, key, _get(data, key, value))
     if mismatches:
         raise ConfigError("offload_config disagrees with TrainingArguments: " + "; ".join(mismatches) +
                           "; set the key to 'auto' or make the two agree")
@@ -134,8 +139,16 @@ def _leaves(data: dict, prefix: str = ""):
 def _set(data: dict, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
-        data = data[key]
+        data = data.setdefault(key, {})
     data[last] = value
+
+
+def _get(data: dict, dotted: str, default):
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return default
+        data = data[key]
+    return data
 
 
 def _agrees(given, expected) -> bool:

@@ -100,10 +100,16 @@ def test_auto_values_come_from_the_training_arguments_and_the_model(tmp_path):
     assert config["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.0}
     zero = config["zero_optimization"]
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64) and zero["stage3_param_persistence_threshold"] == 640
-    # without an optimizer section, TrainingArguments' AdamW is the optimizer
+    # without an optimizer section, TrainingArguments' AdamW is the optimizer; keys
+    # left out take the arguments' values (DeepSpeed would not clip)
     bare = resolve_config({"zero_optimization": {"stage": 2}}, _args(tmp_path), run.tiny_gpt2())
     assert bare["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7,
                                                              "weight_decay": 0.0}}
+    assert bare["gradient_clipping"] == 0.25 and bare["gradient_accumulation_steps"] == 5
+    assert bare["bf16"] == {"enabled": False} and bare["train_batch_size"] == 15
+    # a section given in part keeps what it gives
+    partial = resolve_config({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, _args(tmp_path), run.tiny_gpt2())
+    assert partial["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.0}
 
 
 def test_explicit_values_that_disagree_with_the_arguments_are_errors(tmp_path):

@@ -12,8 +12,9 @@ of its own first.
 
 A tied weight (one parameter under several keys) is read from whichever of
 its keys the checkpoint has, as ``from_pretrained`` does. A trainable
-parameter under none of its keys is an error naming it; so is a shape that
-differs. Buffers and frozen parameters the checkpoint has are copied too;
+parameter under none of its keys is an error naming it, unless
+``allow_missing`` says the model's own initial values stand (a new head on
+a pretrained body); a shape that differs is always one. Buffers and frozen parameters the checkpoint has are copied too;
 those it lacks keep what the model's own initialisation gave them.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -78,10 +80,13 @@ class SafetensorsCheckpoint:
             reader.close()
 
 
-def load_weights(engine, path: str) -> None:
+def load_weights(engine, path: str, allow_missing: bool = False) -> None:
     """Load the checkpoint at ``path`` into ``engine``'s weights, before its first
     step (the optimizer's moments start from zero). A collective in the sense
-    that every rank must call it; each reads only what it owns."""
+    that every rank must call it; each reads only what it owns.
+    ``allow_missing``: trainable parameters the checkpoint lacks (a new head,
+    say) keep the values the model's own initialisation gave them, with a
+    warning naming them, instead of being an error."""
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
                          f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
@@ -89,17 +94,25 @@ def load_weights(engine, path: str) -> None:
     try:
         entries = engine.state_entries()
         layout = engine.layout
-        source = {}
+        source, missing = {}, []
         for slot in layout.slots:
             keys = entries.keys_of[slot.param]
             found = next((k for k in keys if k in checkpoint), None)
             if found is None:
-                raise UsageError(f"{' / '.join(keys)} is missing from {path}: a trainable parameter needs a value "
-                                 "(check the checkpoint's key names against the model's state_dict)")
+                missing.append(" / ".join(keys))
+                continue
             if tuple(checkpoint.shape(found)) != tuple(slot.shape):
                 raise UsageError(f"{found} has shape {list(checkpoint.shape(found))} in {path} but "
                                  f"{list(slot.shape)} in the model")
             source[slot] = found
+        if missing:
+            named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            if not allow_missing:
+                raise UsageError(f"{named} missing from {path}: a trainable parameter needs a value (check the "
+                                 "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
+                                 "to keep the model's own initial values for them)")
+            warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
+                          UserWarning, stacklevel=2)
         for key, value in entries.others:
             if key in checkpoint:
                 if tuple(checkpoint.shape(key)) != tuple(value.shape):
@@ -109,6 +122,7 @@ def load_weights(engine, path: str) -> None:
                     value.copy_(checkpoint.read(key).view(value.shape))
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)
+        kept = _own_values(engine, [p for p in pieces if p.slot not in source])
         groups: Iterator[tuple[int, int]] = iter(engine.optimizer.groups)
 
         def fill(state: torch.Tensor) -> None:
@@ -118,14 +132,30 @@ def load_weights(engine, path: str) -> None:
                 a, b = max(lo, piece.owned_lo), min(hi, piece.owned_hi)
                 if a < b:
                     first = piece.param_lo + a - piece.owned_lo
-                    state[0, a - lo : b - lo].copy_(checkpoint.read(source[piece.slot], first, first + b - a))
+                    values = kept[piece][a - piece.owned_lo : b - piece.owned_lo] if piece in kept else \
+                        checkpoint.read(source[piece.slot], first, first + b - a)
+                    state[0, a - lo : b - lo].copy_(values)
 
         engine.load_shard_state(fill, 0)
     finally:
         checkpoint.close()
 
 
-def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None):
+def _own_values(engine, pieces: list) -> dict:
+    """The current master weights of this rank's ``pieces`` (one pass over the
+    optimizer state, only when some are needed)."""
+    if not pieces:
+        return {}
+    kept = {p: torch.empty(p.owned_hi - p.owned_lo) for p in pieces}
+    for lo, hi, state in engine.shard_state():
+        for p, values in kept.items():
+            a, b = max(lo, p.owned_lo), min(hi, p.owned_hi)
+            if a < b:
+                values[a - p.owned_lo : b - p.owned_lo].copy_(state[0, a - lo : b - lo])
+    return kept
+
+
+def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None, allow_missing: bool = False):
     """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc.) built
     from the ``config.json`` in directory ``path`` under ``offload.init``, wrapped
     in an engine configured by ``config`` (as ``offload.initialize`` takes it),
@@ -145,7 +175,7 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
         model = model_class(model_config)
     engine = offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path)
     try:
-        load_weights(engine, path)
+        load_weights(engine, path, allow_missing)
     except BaseException:
         engine.close(restore_model=False)
         raise

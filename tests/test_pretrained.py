@@ -154,7 +154,7 @@ def test_load_weights_names_a_missing_key_and_a_wrong_shape(tmp_path):
         offload.load_weights(engine, _without(directory, "head.weight", tmp_path / "tied.safetensors"))
         assert torch.equal(engine.state_dict()["head.weight"], expected["head.weight"])
     with _fresh(2, "cpu", None, None) as engine:
-        with pytest.raises(UsageError, match=f"{key} is missing from"):
+        with pytest.raises(UsageError, match=f"{key} missing from .*allow_missing=True"):
             offload.load_weights(engine, _without(directory, key, tmp_path / "missing.safetensors"))
         with pytest.raises(UsageError, match=f"{key} has shape"):
             offload.load_weights(engine, _without(directory, key, tmp_path / "bad.safetensors", reshape=(-1,)))
@@ -162,6 +162,25 @@ def test_load_weights_names_a_missing_key_and_a_wrong_shape(tmp_path):
         engine.step()
         with pytest.raises(UsageError, match="fresh engine"):
             offload.load_weights(engine, directory)
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(1, "cpu", None), (3, "nvme", "nvme")])
+def test_allow_missing_keeps_the_models_own_values_for_what_the_checkpoint_lacks(tmp_path, stage, device,
+                                                                                  param_device):
+    """A new head on a pretrained body: the missing parameter keeps the value the
+    model's own initialisation gave it (read back from the optimizer state,
+    wherever it lives), every other one the checkpoint's."""
+    directory, expected = _trained_directory(tmp_path)
+    key = "blocks.1.0.weight"
+    with _fresh(stage, device, param_device, str(tmp_path)) as engine:
+        initial = engine.state_dict()[key]
+        assert not torch.equal(initial, expected[key])
+        with pytest.warns(UserWarning, match=f"{key} not in .* keep the model's own initial values"):
+            offload.load_weights(engine, _without(directory, key, tmp_path / "missing.safetensors"),
+                                 allow_missing=True)
+        state = engine.state_dict()
+        assert torch.equal(state[key], initial)
+        assert all(torch.equal(state[k], expected[k]) for k in expected if k != key)
 
 
 try:

@@ -18,15 +18,29 @@ __version__ = "0.1.0"
 
 
 def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *,
-               nvme_path: str | os.PathLike | None = None) -> Engine:
+               nvme_path: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
+               allow_missing: bool = False) -> Engine:
     """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
     meta device when built under ``offload.init``) in an Engine configured by a
     DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
     a meta-built module's own parameters (default: its ``reset_parameters``).
     ``nvme_path`` replaces every ``nvme_path`` of the config (a shipped config
-    names ``/local_nvme``; point it at a directory on this machine's disk)."""
+    names ``/local_nvme``; point it at a directory on this machine's disk).
+    ``weights``: a safetensors file or model directory loaded into the engine
+    (``load_weights``, with ``allow_missing``); a meta-built module it fully
+    covers needs no initialiser of its own."""
     config = Config.load(config)
-    return Engine(model, config if nvme_path is None else config.with_nvme_path(nvme_path), init_fn)
+    config = config if nvme_path is None else config.with_nvme_path(nvme_path)
+    if weights is None:
+        return Engine(model, config, init_fn)
+    weights = os.fspath(weights)
+    engine = Engine(model, config, init_covering(model, weights, init_fn) if is_meta(model) else init_fn)
+    try:
+        load_weights(engine, weights, allow_missing)
+    except BaseException:
+        engine.close(restore_model=False)
+        raise
+    return engine
 
 
 @contextlib.contextmanager
@@ -51,7 +65,7 @@ def init(config: str | os.PathLike | dict | Config | None = None):
 from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)
 from offload.errors import ConfigError, OffloadError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
-from offload.load_weights import from_pretrained, load_weights  # noqa: E402
-from offload.zero.materialize import meta_device  # noqa: E402
+from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402
+from offload.zero.materialize import is_meta, meta_device  # noqa: E402
 
 __all__ = ["Config", "ConfigError", "Engine", "OffloadError", "from_pretrained", "init", "initialize", "load_weights"]

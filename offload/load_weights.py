@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from offload.errors import UsageError
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
+from offload.zero.materialize import default_init
 
 
 class SafetensorsCheckpoint:
@@ -141,6 +142,40 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
         checkpoint.close()
 
 
+def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):
+    """An ``init_fn`` for a model built on the meta device whose weights will come
+    from the checkpoint at ``path``: a module whose own parameters and buffers
+    the checkpoint all holds (under any of their keys) is left as allocated, as
+    ``load_weights`` overwrites it; any other module gets ``fallback`` (default:
+    its ``reset_parameters``), so one without an initialiser of its own is an
+    error only when the checkpoint does not cover it."""
+    checkpoint = SafetensorsCheckpoint(path)
+    checkpoint.close()
+    keys_of: dict[int, list[str]] = {}  # a tensor's keys, tied ones included
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                keys_of.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
+    # By (module, attribute): materialize replaces a meta buffer with a new tensor.
+    uncovered = {(id(module), name): keys_of[id(t)]
+                 for module in model.modules()
+                 for name, t in [*module._parameters.items(), *module._buffers.items()]
+                 if t is not None and not any(k in checkpoint for k in keys_of[id(t)])}
+
+    def init(module: torch.nn.Module) -> None:
+        missing = [" / ".join(uncovered[id(module), n]) for n in [*module._parameters, *module._buffers]
+                   if (id(module), n) in uncovered]
+        if not missing:
+            return
+        if fallback is None and not hasattr(module, "reset_parameters"):
+            raise UsageError(f"{', '.join(missing)} missing from {path}, and {type(module).__name__} has no "
+                             "reset_parameters() to give it a value; add the key to the checkpoint or pass "
+                             "init_fn to offload.initialize")
+        (fallback or default_init)(module)
+
+    return init
+
+
 def _own_values(engine, pieces: list) -> dict:
     """The current master weights of this rank's ``pieces`` (one pass over the
     optimizer state, only when some are needed)."""
@@ -173,10 +208,5 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
     model_config = model_class.config_class.from_pretrained(path)
     with offload.init(config):
         model = model_class(model_config)
-    engine = offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path)
-    try:
-        load_weights(engine, path, allow_missing)
-    except BaseException:
-        engine.close(restore_model=False)
-        raise
-    return engine
+    return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,
+                              allow_missing=allow_missing)

@@ -11,6 +11,7 @@ world sizes 1 and 2, with clear errors for a missing key or a wrong shape;
 ``offload.from_pretrained`` builds a Hugging Face model under
 ``offload.init`` and loads it."""
 
+import copy
 import json
 import os
 import subprocess
@@ -181,6 +182,71 @@ def test_allow_missing_keeps_the_models_own_values_for_what_the_checkpoint_lacks
         state = engine.state_dict()
         assert torch.equal(state[key], initial)
         assert all(torch.equal(state[k], expected[k]) for k in expected if k != key)
+
+
+class _Gain(torch.nn.Module):
+    """A module with a parameter and no reset_parameters: offload.init alone cannot initialise it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gain, self.head = torch.nn.Embedding(50, 16), _Gain(16), torch.nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        logits = self.head(self.gain(self.embed(tokens[:, :-1])))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _net_file(tmp_path, drop: str | None = None) -> tuple[str, dict]:
+    torch.manual_seed(7)
+    tensors = {k: v.detach() + 0.5 for k, v in _Net().state_dict().items()}  # no initialiser gives these
+    tensors.pop(drop, None)
+    path = str(tmp_path / f"net-{drop}.safetensors")
+    write_safetensors(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], tensors.items())
+    return path, tensors
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme")])
+def test_initialize_with_weights_needs_no_initialiser_for_what_the_checkpoint_covers(tmp_path, stage, device,
+                                                                                     param_device):
+    path, tensors = _net_file(tmp_path)
+    cfg = config(stage, device, 1, str(tmp_path), param_device=param_device)
+    with offload.init(cfg):
+        model = _Net()
+    with pytest.raises(UsageError, match="_Gain has its own parameters .* but no reset_parameters"):
+        offload.initialize(copy.deepcopy(model), cfg)  # nothing to give _Gain a value
+    with offload.initialize(model, cfg, weights=path) as engine:
+        state = engine.state_dict()
+        assert state.keys() == tensors.keys() and all(torch.equal(state[k], tensors[k]) for k in tensors)
+        engine.backward(engine(torch.randint(0, 50, (2, 9))))
+        engine.step()
+
+
+def test_initialize_with_weights_names_what_nothing_can_initialise(tmp_path):
+    cfg = config(3, "cpu", 1, param_device="cpu")
+    path, _ = _net_file(tmp_path, drop="gain.gain")
+    with offload.init(cfg):
+        model = _Net()
+    with pytest.raises(UsageError, match="gain.gain missing from .*_Gain has no reset_parameters"):
+        offload.initialize(model, cfg, weights=path)
+    # a module with an initialiser of its own is covered by it, when missing is allowed
+    path, tensors = _net_file(tmp_path, drop="head.weight")
+    with offload.init(cfg):
+        model = _Net()
+    with pytest.warns(UserWarning, match="head.weight not in"):
+        engine = offload.initialize(model, cfg, weights=path, allow_missing=True)
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], tensors[k]) for k in tensors)
+    assert state["head.weight"].abs().max() < 0.25  # Linear's own init: |w| <= 1/sqrt(16), not +0.5
+    engine.close()
 
 
 try:

@@ -11,7 +11,7 @@ import argparse
 import difflib
 import sys
 
-from offload.cli import bench_adam, bench_step, bench_swap, estimate, export, plan, train
+from offload.cli import bench_adam, bench_step, bench_swap, clean, estimate, export, plan, train
 from offload.errors import OffloadError
 
 
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_swap.add_parser(benchmarks)
     bench_step.add_parser(benchmarks)
     export.add_parser(commands)
+    clean.add_parser(commands)
     return parser
 
 

@@ -38,6 +38,12 @@ def output_file(text: str) -> str:
     return text
 
 
+def existing_directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return text
+
+
 def seed(text: str) -> int:
     try:
         value = int(text)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import tempfile
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError, UsageError
-from offload.store import shard_file
+from offload.store import run_dirs, shard_file
 from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, make_engine
 from offload.store.pool import Buffer, PinnedPool, footprint
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
@@ -109,8 +108,7 @@ class _Cleanup:
             self.engine = None
             self.files.clear()
         if self.run_dir is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(self.run_dir)
+            run_dirs.release(self.run_dir)
             self.run_dir = None
 
 
@@ -135,7 +133,7 @@ class TieredStore:
         if nvme_path is not None:
             _check_directory(nvme_path)
             self._cleanup.engine = make_engine(aio)
-            self._cleanup.run_dir = tempfile.mkdtemp(prefix="offload-run-", dir=nvme_path)
+            self._cleanup.run_dir = run_dirs.make(nvme_path)  # Note [run directory ownership]
 
     @property
     def run_dir(self) -> str | None:

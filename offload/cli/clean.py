@@ -1,0 +1,31 @@
+"""``offload clean``: remove the run directories that processes now gone left in
+an ``nvme_path`` (SIGKILL, an out-of-memory kill, a power cut), never one whose
+owner is alive or ran on another host (Note [run directory ownership] in
+offload/store/run_dirs.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from offload.cli.args import existing_directory
+from offload.store import run_dirs
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("clean", help="remove swap directories left by processes that are gone",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nvme-path", required=True, type=existing_directory, help="the directory the runs swapped to")
+    p.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    found = run_dirs.stale(args.nvme_path) if args.dry_run else run_dirs.remove_stale(args.nvme_path)
+    verb = "would remove" if args.dry_run else "removed"
+    for s in found:
+        print(f"{verb} {s.path} ({s.nbytes / 2**20:,.1f} MiB; {s.why})")
+    total = sum(s.nbytes for s in found)
+    print(f"offload clean: {verb} {len(found)} run director{'y' if len(found) == 1 else 'ies'} "
+          f"({total / 2**20:,.1f} MiB) in {os.path.abspath(args.nvme_path)}")
+    return 0

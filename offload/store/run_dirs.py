@@ -1,0 +1,127 @@
+"""Run directories in an ``nvme_path``: who owns each, and those a dead process left.
+
+Note [run directory ownership]
+Each store with an NVMe tier keeps its swap files in a directory of its own,
+``offload-run-*`` in ``nvme_path``, and writes ``owner.json`` there first: the
+host, the pid and the process's start time (a pid alone is reused). A
+directory is *stale* when its owner ran on this host and is gone (no such
+pid, or one started at another time), or, with no readable owner file, when
+it is over a minute old (a directory being made has none for an instant). A directory
+whose owner is alive, or ran on another host, is never touched. SIGKILL, an
+out-of-memory kill or a power cut leave stale directories behind; the next
+store made in the same ``nvme_path`` warns about them with their size, and
+``offload clean --nvme-path DIR`` removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import psutil
+
+PREFIX = "offload-run-"
+OWNER = "owner.json"
+OWNERLESS_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Stale:
+    path: str
+    nbytes: int
+    why: str  # whose it was
+
+
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}
+
+
+def make(nvme_path: str) -> str:
+    """A new run directory in ``nvme_path``, owned by this process; warns about stale ones first."""
+    _warn_stale(nvme_path)
+    path = tempfile.mkdtemp(prefix=PREFIX, dir=nvme_path)
+    fd = os.open(os.path.join(path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(_me(), f)
+    return path
+
+
+def release(path: str) -> None:
+    """Remove an emptied run directory and its owner file."""
+    for name in (os.path.join(path, OWNER), path):
+        try:
+            os.rmdir(name) if name == path else os.unlink(name)
+        except FileNotFoundError:
+            pass
+
+
+def _owner_gone(path: str) -> str | None:
+    """Why the directory is stale, or None while its owner may be alive."""
+    try:
+        with open(os.path.join(path, OWNER)) as f:
+            owner = json.load(f)
+        host, pid, started = owner["host"], int(owner["pid"]), float(owner["started"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or one being written
+        age = time.time() - os.stat(path).st_mtime
+        return f"no owner recorded, {age:.0f} s old" if age > OWNERLESS_GRACE_S else None
+    if host != socket.gethostname():
+        return None  # another machine's: its processes cannot be seen from here
+    try:
+        if abs(psutil.Process(pid).create_time() - started) < 1.0:
+            return None
+    except psutil.NoSuchProcess:
+        pass
+    return f"process {pid}, gone"
+
+
+def _size(path: str) -> int:
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def stale(nvme_path: str) -> list[Stale]:
+    found = []
+    for name in sorted(os.listdir(nvme_path)):
+        path = os.path.join(nvme_path, name)
+        if name.startswith(PREFIX) and os.path.isdir(path) and not os.path.islink(path):
+            why = _owner_gone(path)
+            if why is not None:
+                found.append(Stale(path, _size(path), why))
+    return found
+
+
+def remove_stale(nvme_path: str) -> list[Stale]:
+    """Remove the stale run directories in ``nvme_path``; the ones removed."""
+    gone = stale(nvme_path)
+    for s in gone:
+        shutil.rmtree(s.path, ignore_errors=True)
+    return gone
+
+
+_warned: set[str] = set()
+
+
+def _warn_stale(nvme_path: str) -> None:
+    key = os.path.realpath(nvme_path)
+    if key in _warned:
+        return
+    _warned.add(key)
+    found = stale(nvme_path)
+    if found:
+        total = sum(s.nbytes for s in found)
+        warnings.warn(f"offload: {len(found)} run director{'y' if len(found) == 1 else 'ies'} in {nvme_path} "
+                      f"({total / 2**20:,.1f} MiB) left by processes that are gone "
+                      f"({', '.join(os.path.basename(s.path) for s in found[:3])}{', ...' if len(found) > 3 else ''}); "
+                      f"remove them with: offload clean --nvme-path {nvme_path}", UserWarning, stacklevel=4)

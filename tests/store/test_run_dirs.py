@@ -1,0 +1,90 @@
+"""Run directories and their owners (Note [run directory ownership]): a store
+killed with SIGKILL leaves its directory behind; the next store in the same
+nvme_path warns about it with its size, and ``offload clean`` removes it and
+never the directory of a live process, a directory being made, or another
+host's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from offload.cli import main
+from offload.store import TieredStore, run_dirs
+
+CHILD = """
+import sys, time, torch
+from offload.store import TieredStore
+store = TieredStore(sys.argv[1])
+store.put("x", torch.ones(300_000), "nvme")
+store.flush()
+print(store.run_dir, flush=True)
+time.sleep(600)
+"""
+
+
+def _child(nvme) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(nvme)], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_clean_removes_what_a_killed_process_left_and_never_a_live_ones(tmp_path, capsys):
+    dead, dead_dir = _child(tmp_path)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    alive, alive_dir = _child(tmp_path)
+    try:
+        assert os.path.isdir(dead_dir) and os.path.isdir(alive_dir)
+        with pytest.warns(UserWarning, match=rf"1 run directory in {tmp_path} \(1\.\d MiB\) left by processes that "
+                                             rf"are gone \({os.path.basename(dead_dir)}\); remove them with: "
+                                             rf"offload clean --nvme-path"):
+            store = TieredStore(str(tmp_path))
+        assert main(["clean", "--nvme-path", str(tmp_path), "--dry-run"]) == 0
+        assert os.path.isdir(dead_dir)
+        assert main(["clean", "--nvme-path", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"removed {dead_dir} (1.1 MiB; process {dead.pid}, gone)" in out
+        assert "removed 1 run directory" in out
+        assert not os.path.exists(dead_dir) and os.path.isdir(alive_dir) and os.path.isdir(store.run_dir)
+        store.close()
+    finally:
+        alive.kill()
+        alive.wait()
+    assert [s.path for s in run_dirs.remove_stale(str(tmp_path))] == [alive_dir]  # now it is gone too
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_without_an_owner_is_stale_only_once_it_is_old(tmp_path):
+    fresh, old = tmp_path / "offload-run-fresh", tmp_path / "offload-run-old"
+    fresh.mkdir()
+    old.mkdir()
+    (old / "owner.json").write_text("{half a reco")  # unreadable: as good as none
+    past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
+    os.utime(old, (past, past))
+    assert [s.path for s in run_dirs.stale(str(tmp_path))] == [str(old)]
+
+
+def test_another_hosts_directory_is_never_stale(tmp_path):
+    other = tmp_path / "offload-run-elsewhere"
+    other.mkdir()
+    (other / "owner.json").write_text(json.dumps({"host": "not-" + os.uname().nodename, "pid": 1, "started": 0}))
+    past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
+    os.utime(other, (past, past))
+    assert run_dirs.stale(str(tmp_path)) == []
+
+
+def test_a_closed_store_leaves_nothing_and_a_reused_pid_is_not_its_owner(tmp_path):
+    store = TieredStore(str(tmp_path))
+    with open(os.path.join(store.run_dir, run_dirs.OWNER)) as f:
+        owner = json.load(f)
+    assert owner["pid"] == os.getpid() and run_dirs.stale(str(tmp_path)) == []
+    owner["started"] -= 100  # the same pid, started at another time: another process
+    with open(os.path.join(store.run_dir, run_dirs.OWNER), "w") as f:
+        json.dump(owner, f)
+    assert [s.why for s in run_dirs.stale(str(tmp_path))] == [f"process {os.getpid()}, gone"]
+    store.close()
+    assert os.listdir(tmp_path) == []

@@ -66,6 +66,8 @@ from offload.config import Config  # noqa: E402  (after __version__, for the CLI
 from offload.errors import ConfigError, OffloadError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402
+from offload.signals import exit_on_signals  # noqa: E402
 from offload.zero.materialize import is_meta, meta_device  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "Engine", "OffloadError", "from_pretrained", "init", "initialize", "load_weights"]
+__all__ = ["Config", "ConfigError", "Engine", "OffloadError", "exit_on_signals", "from_pretrained", "init", "initialize",
+           "load_weights"]

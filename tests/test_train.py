@@ -128,9 +128,10 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert proc.stdout.count("trained GPT") == 1  # rank 0 reports
 
 
-def _interrupt(argv, tmp_path):
-    """Runs argv, sends it SIGINT (as Ctrl-C does) once rank 0 has reported its
-    first step, and returns (exit status, stderr lines)."""
+def _interrupt(argv, tmp_path, signum=signal.SIGINT):
+    """Runs argv, sends it ``signum`` (SIGINT as Ctrl-C does; SIGTERM as kill,
+    SLURM and docker do) once rank 0 has reported its first step, and returns
+    (exit status, stderr lines)."""
     env = {**_temporary_directory(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             # as at a terminal: a runner started in the background may have SIGINT ignored
@@ -143,7 +144,7 @@ def _interrupt(argv, tmp_path):
             lines.append(line.rstrip("\n"))
             if line.startswith("train ["):
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, rest = proc.communicate()
     finally:
         watchdog.cancel()
@@ -154,13 +155,15 @@ INTERRUPTED = r"offload train: interrupted after \d+ of 100000 steps; removed it
 
 
 @native
-def test_ctrl_c_prints_one_line_and_leaves_nothing_behind(tmp_path):
-    """Exit status 130, no traceback, and what the run made is gone: the
-    temporary swap directory and the --out directory, still empty."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_prints_one_line_and_leaves_nothing_behind(tmp_path, signum):
+    """Exit status 128 + the signal (130, 143), no traceback, and what the run
+    made is gone: the temporary swap directory and the --out directory, still
+    empty. SIGTERM used to kill the run at once and leave its swap files."""
     out = tmp_path / "out"
     status, lines = _interrupt([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "100000",
-                                "--out", str(out)], tmp_path)
-    assert status == 130, lines
+                                "--out", str(out)], tmp_path, signum)
+    assert status == 128 + signum, lines
     said = [line for line in lines if not line.startswith("train [")]
     assert len(said) == 2 and said[0].startswith("offload train: config "), lines
     assert re.fullmatch(INTERRUPTED.format(re.escape(str(out))), said[1]), said[1]
@@ -168,7 +171,8 @@ def test_ctrl_c_prints_one_line_and_leaves_nothing_behind(tmp_path):
 
 
 @native
-def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path, signum):
     """torchrun passes Ctrl-C on to each rank; a rank then may be waiting in a
     collective for one that has already left. Rank 0 says one line, the other
     rank nothing, neither a traceback. torchrun's own report (a warning per
@@ -176,7 +180,7 @@ def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path):
     out = tmp_path / "out"
     status, lines = _interrupt(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--out", str(out)], tmp_path)
+         "-m", "offload", "train", "--model", "tiny", "--steps", "100000", "--out", str(out)], tmp_path, signum)
     assert status != 0
     text = "\n".join(lines)
     assert "KeyboardInterrupt" not in text and os.sep + "offload" + os.sep not in text, text  # no frame of ours

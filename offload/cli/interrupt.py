@@ -1,4 +1,4 @@
-"""Ctrl-C for a long command: the first SIGINT stops the work; cleanup then runs to its end.
+"""Ctrl-C and SIGTERM for a long command: the first stops the work; cleanup then runs to its end.
 
 Note [Ctrl-C]: Python raises KeyboardInterrupt for a SIGINT at its next check
 between bytecodes, wherever that is, cleanup code included. Two cases make it
@@ -11,6 +11,10 @@ raises, and only while ``armed``; cleanup disarms it first, with a plain
 attribute store (a store runs no handler, a call can), and ``finish()``
 tells whether one came, so that the error a departed peer causes is reported
 as the interruption it is.
+
+SIGTERM (``kill``, SLURM, docker, torchrun passing its own on) is handled the
+same way: without it the process dies at once and leaves its swap files. The
+exit status is the shell's for the signal: 130 for SIGINT, 143 for SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,33 +22,36 @@ from __future__ import annotations
 import signal
 import threading
 
-EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C stopped
+SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}  # and their default handlers
 
 
 class Sigint:
-    """Installed at construction where SIGINT has Python's default handler
-    (not where it is ignored, as for `command &`); see Note [Ctrl-C]."""
+    """Installed at construction for each of SIGINT and SIGTERM that has its
+    default handler (not where it is ignored, as SIGINT is for `command &`);
+    see Note [Ctrl-C]."""
 
     def __init__(self) -> None:
         self.armed = True
-        self.received = False
-        self._previous = signal.getsignal(signal.SIGINT)
-        self._installed = (threading.current_thread() is threading.main_thread()
-                           and self._previous is signal.default_int_handler)
-        if self._installed:
-            signal.signal(signal.SIGINT, self._handle)
+        self.received: int | None = None  # the first signal that came
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum, default in SIGNALS.items():
+                if signal.getsignal(signum) is default:
+                    self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        if self.received is None:
+            self.received = signum
         if self.armed:
             self.armed = False
             raise KeyboardInterrupt
 
-    def finish(self) -> bool:
-        """Uninstalls the handler; whether a SIGINT came. One still pending is
-        counted: signal.signal runs pending handlers before it replaces one."""
+    def finish(self) -> int | None:
+        """Uninstalls the handlers; the exit status of the signal that came
+        (128 + its number), or None. One still pending is counted:
+        signal.signal runs pending handlers before it replaces one."""
         self.armed = False
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-        return self.received
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+        return None if self.received is None else 128 + self.received

@@ -41,7 +41,7 @@ import torch
 
 import offload
 from offload.cli.args import gpt_config, model_name, positive_int, seed
-from offload.cli.interrupt import EXIT_STATUS, Sigint
+from offload.cli.interrupt import Sigint
 from offload.cli.progress import Progress
 from offload.config import read_json
 from offload.data import ByteBatches, stdlib_corpus
@@ -94,13 +94,14 @@ def run(args: argparse.Namespace) -> int:
             sigint.armed = False  # first, before any call: Note [Ctrl-C]
             made.remove()
     except BaseException:
-        if not sigint.finish():
+        status = sigint.finish()
+        if status is None:
             raise
         if made.reporting:  # one line for the run, not one per rank
             if made.bar is not None:
                 made.bar.end_line()
             print(f"offload train: {made.interrupted()}", file=sys.stderr, flush=True)
-        return EXIT_STATUS
+        return status
     sigint.finish()
     if made.reporting:
         print(_report(summary, made.out))

@@ -95,7 +95,7 @@ class SafetensorsReader:
                 raise UsageError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
             try:
                 header = json.loads(os.pread(self._fd, n, 8))
-            except (UnicodeDecodeError, ValueError) as exc:
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 raise UsageError(f"{path}: the safetensors header is not JSON ({exc})") from None
             if not isinstance(header, dict):
                 raise UsageError(f"{path}: the safetensors header is not a JSON object")

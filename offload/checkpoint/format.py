@@ -92,7 +92,25 @@ class Manifest:
 
     @staticmethod
     def from_json(data: Any, where: str) -> Manifest:
-        return _typed(Manifest, data, where, "manifest")
+        manifest = _typed(Manifest, data, where, "manifest")
+        manifest._check_ranges(where)
+        return manifest
+
+    def _check_ranges(self, where: str) -> None:
+        """What the types cannot say: counts and sizes that later arithmetic
+        (and allocations) would trust."""
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise CheckpointError(f"{where}: {what}; the manifest is damaged")
+
+        require(self.world_size >= 1, f"world_size {self.world_size} is below 1")
+        require(self.owned >= 0 and self.chunk_bytes >= 1, f"owned {self.owned} or chunk_bytes {self.chunk_bytes} out of range")
+        for i, bucket in enumerate(self.layout):
+            require(bucket.part >= 0 and bool(bucket.params), f"bucket {i} has part {bucket.part} and "
+                    f"{len(bucket.params)} parameters")
+            for param in bucket.params:
+                require(bool(param.keys) and all(d >= 0 for d in param.shape),
+                        f"a parameter of bucket {i} has keys {param.keys[:3]} and shape {param.shape}")
 
     def flat_layout(self) -> FlatLayout:
         """The flat layout the checkpoint was saved with (rank 0's view; the
@@ -150,7 +168,7 @@ def read_manifest(directory: str) -> Manifest:
         with open(path) as f:
             data = json.load(f)
         stored = data.pop("crc32")
-    except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
     if zlib.crc32(_canonical(data)) != stored:
         raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")

@@ -215,6 +215,9 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     def prepare() -> None:
         loaded["manifest"] = manifest = read_manifest(directory)
         _check_fits(engine, directory, manifest)
+        if len(manifest.rng) != manifest.world_size:
+            raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: {len(manifest.rng)} RNG states for "
+                                  f"{manifest.world_size} ranks; the manifest is damaged")
         engine.synchronize()
         loaded["extras"] = read_extras(directory, manifest)
 

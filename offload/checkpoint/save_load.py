@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from offload.checkpoint import rng
+from offload.checkpoint.reshard import load_resharded
 from offload.checkpoint.format import (
     CHUNK_BYTES,
     EXTRA,
@@ -214,16 +215,13 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
 
     def prepare() -> None:
         loaded["manifest"] = manifest = read_manifest(directory)
-        _check_fits(engine, directory, manifest)
-        if len(manifest.rng) != manifest.world_size:
-            raise CheckpointError(f"{os.path.join(directory, MANIFEST)}: {len(manifest.rng)} RNG states for "
-                                  f"{manifest.world_size} ranks; the manifest is damaged")
+        loaded["same"] = _check_fits(engine, directory, manifest)
         engine.synchronize()
         loaded["extras"] = read_extras(directory, manifest)
 
     _agree(prepare, True)
-    manifest, extras = loaded["manifest"], loaded["extras"]
-    _agree(_load_rank, True, engine, directory, manifest)
+    manifest, extras, same = loaded["manifest"], loaded["extras"], loaded["same"]
+    _agree(_load_rank if same else load_resharded, True, engine, directory, manifest)
     entries = engine.module.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, value in extras.items():
@@ -231,7 +229,8 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     saved = manifest.training
     # This run's accumulation may differ from the saving run's: its micro-step count follows.
     engine.restore_training_state(dataclasses.replace(saved, micro_steps=saved.global_steps * engine.accumulation))
-    rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
+    if manifest.world_size == engine.world:  # each state is one saving rank's (Note [resharding])
+        rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
     return directory, manifest.client_state
 
 
@@ -249,25 +248,13 @@ def _load_rank(engine: Checkpointable, directory: str, manifest: Manifest) -> No
         f.close()
 
 
-def _check_fits(engine: Checkpointable, directory: str, manifest: Manifest) -> None:
+def _check_fits(engine: Checkpointable, directory: str, manifest: Manifest) -> bool:
+    """What every load needs; whether the saving layout is this engine's (else
+    the state is re-cut: Note [resharding])."""
     where = os.path.join(directory, MANIFEST)
-    if manifest.world_size != engine.world:
-        raise CheckpointError(f"{where}: saved by {manifest.world_size} ranks, loading on {engine.world}; "
-                              f"a checkpoint loads on the world size that wrote it (offload export gives the weights for any)")
-    mine = layout_records(engine)
-    if manifest.layout != mine:
-        for i, (saved, now) in enumerate(zip(manifest.layout, mine)):
-            if saved != now:
-                raise CheckpointError(f"{where}: bucket {i} holds {_describe(saved)} in the checkpoint, "
-                                      f"{_describe(now)} in this engine; the model or the "
-                                      f"bucket settings (stage, reduce_bucket_size) differ from the run that saved it")
-        raise CheckpointError(f"{where}: {len(manifest.layout)} buckets in the checkpoint, {len(mine)} in this "
-                              f"engine; the model differs from the run that saved it")
     if len(manifest.rng) != manifest.world_size:
         raise CheckpointError(f"{where}: {len(manifest.rng)} RNG states for {manifest.world_size} ranks; the manifest is damaged")
     if manifest.extra_keys != [key for key, _ in engine.state_entries().others]:
         raise CheckpointError(f"{where}: buffers and frozen parameters {manifest.extra_keys} differ from this model's")
+    return manifest.world_size == engine.world and manifest.layout == layout_records(engine)
 
-
-def _describe(bucket: BucketRecord) -> str:
-    return f"{[{'keys': p.keys, 'shape': p.shape} for p in bucket.params]} (part {bucket.part})"

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -84,7 +85,33 @@ struct Fault {
   int err = 0;
 };
 
+// Note [kernel faults]
+// Test hooks at the kernel boundary, so that tests reach the paths a real disk
+// or kernel takes us down, which faults injected before submission never do:
+// each counter makes that many of the next events happen, then runs out.
+//   submit_eagain  io_submit takes one request, then says EAGAIN while it is
+//                  in flight (a full kernel queue): the rest go back to the
+//                  queue and are submitted after a reap;
+//   submit_refuse  io_submit refuses (EINVAL): that chunk moves synchronously;
+//   short_result   a completion reports half its bytes: a short write is
+//                  finished synchronously (which also learns the real errno
+//                  of a filling disk), a short read fails;
+//   eio_result     a completion reports EIO.
+// OFFLOAD_AIO_NO_KERNEL_AIO=1 in the environment at engine creation makes
+// every worker use pread/pwrite, as when the kernel refuses an AIO context.
+struct KernelFaults {
+  std::atomic<int> submit_eagain{0}, submit_refuse{0}, short_result{0}, eio_result{0};
+};
+
+bool take(std::atomic<int>& counter) {
+  int n = counter.load();
+  while (n > 0)
+    if (counter.compare_exchange_weak(n, n - 1)) return true;
+  return false;
+}
+
 struct Engine {
+  KernelFaults kernel_faults;
   int64_t block_size;
   int queue_depth;
   std::vector<std::thread> workers;
@@ -249,7 +276,18 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
     }
     size_t submitted = 0;
     while (submitted < to_submit.size()) {
-      const long n = sys_io_submit(ctx, static_cast<long>(to_submit.size() - submitted), to_submit.data() + submitted);
+      long n;
+      if (inflight > 0 && take(e->kernel_faults.submit_eagain)) {
+        errno = EAGAIN;
+        n = -1;
+      } else if (e->kernel_faults.submit_eagain.load() > 0) {  // a full kernel queue takes fewer than asked
+        n = sys_io_submit(ctx, 1, to_submit.data() + submitted);
+      } else if (take(e->kernel_faults.submit_refuse)) {
+        errno = EINVAL;
+        n = -1;
+      } else {
+        n = sys_io_submit(ctx, static_cast<long>(to_submit.size() - submitted), to_submit.data() + submitted);
+      }
       if (n > 0) {
         submitted += static_cast<size_t>(n);
         inflight += static_cast<int>(n);
@@ -281,7 +319,10 @@ void worker(Engine* e, int depth, aio_context_t ctx) {
       while (n < 0 && errno == EINTR);
       for (long i = 0; i < n; ++i) {
         const int slot = static_cast<int>(events[i].data);
-        reaped.emplace_back(slots[slot], static_cast<int64_t>(events[i].res));
+        int64_t result = static_cast<int64_t>(events[i].res);
+        if (result > 0 && take(e->kernel_faults.short_result)) result /= 2;
+        else if (take(e->kernel_faults.eio_result)) result = -EIO;
+        reaped.emplace_back(slots[slot], result);
         free_slots.push_back(slot);
         --inflight;
       }
@@ -312,7 +353,10 @@ OFFLOAD_API void* offload_aio_create(int64_t block_size, int queue_depth, int th
   for (int i = 0; i < threads; ++i) {
     const int share = std::max(1, queue_depth / threads + (i < queue_depth % threads ? 1 : 0));
     aio_context_t ctx = 0;
-    if (sys_io_setup(static_cast<unsigned>(share), &ctx) != 0) ctx = 0;
+    const char* no_kernel_aio = std::getenv("OFFLOAD_AIO_NO_KERNEL_AIO");
+    if ((no_kernel_aio != nullptr && std::strcmp(no_kernel_aio, "1") == 0) ||
+        sys_io_setup(static_cast<unsigned>(share), &ctx) != 0)
+      ctx = 0;
     else ++e->kernel_aio_workers;
     e->workers.emplace_back(worker, e, share, ctx);
   }
@@ -441,6 +485,17 @@ OFFLOAD_API void offload_aio_free(void* handle) {
 
 // Test hook: chunks of `op` on `fd` covering file byte `offset` fail with `err`
 // without touching the disk, until another call replaces the fault (fd -1: none).
+// Note [kernel faults]: adds to each counter; returns how many of all four are still unspent.
+OFFLOAD_API int offload_aio_kernel_faults(void* engine, int submit_eagain, int submit_refuse, int short_result,
+                                          int eio_result) {
+  auto& f = static_cast<Engine*>(engine)->kernel_faults;
+  f.submit_eagain += submit_eagain;
+  f.submit_refuse += submit_refuse;
+  f.short_result += short_result;
+  f.eio_result += eio_result;
+  return f.submit_eagain + f.submit_refuse + f.short_result + f.eio_result;
+}
+
 OFFLOAD_API void offload_aio_inject_fault(void* engine, int fd, int op, int64_t offset, int err) {
   auto* e = static_cast<Engine*>(engine);
   std::lock_guard<std::mutex> lock(e->fault_mu);

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "offload_aio_wait": (_int, [_ptr, ctypes.POINTER(ctypes.c_uint32)]),
     "offload_aio_free": (None, [_ptr]),
     "offload_aio_inject_fault": (None, [_ptr, _int, _int, _i64, _int]),
+    "offload_aio_kernel_faults": (_int, [_ptr, _int, _int, _int, _int]),
 }
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}

@@ -215,6 +215,14 @@ class NativeEngine:
         until replaced; ``file=None`` clears it."""
         _native.lib().offload_aio_inject_fault(self._engine, -1 if file is None else file.fd, op, file_offset, errno)
 
+    def kernel_faults(self, submit_eagain: int = 0, submit_refuse: int = 0, short_result: int = 0,
+                      eio_result: int = 0) -> int:
+        """Test hook at the kernel boundary (Note [kernel faults] in native/aio.cpp):
+        that many of the next io_submit calls say EAGAIN or refuse, that many
+        completions come back short or with EIO. Returns how many are unspent."""
+        return _native.lib().offload_aio_kernel_faults(self._engine, submit_eagain, submit_refuse, short_result,
+                                                       eio_result)
+
 
 _warned_paths: set[str] = set()
 

@@ -120,3 +120,75 @@ def test_open_refuses_to_follow_a_symlink(tmp_path):
     finally:
         engine.close()
     assert target.read_bytes() == b"precious"
+
+
+# -- faults at the kernel boundary (Note [kernel faults] in native/aio.cpp) ------------------
+
+
+@pytest.mark.parametrize("fault", ["submit_eagain", "submit_refuse"])
+def test_a_kernel_that_says_eagain_or_refuses_a_submission_loses_nothing(tmp_path, fault):
+    """EAGAIN with requests in flight: the rest go back to the queue and are
+    submitted after a reap; a refusal: that chunk moves with pwrite/pread.
+    Either way every byte arrives; the faults were spent, so the paths ran."""
+    engine = NativeEngine(AioSettings(block_size=8192, queue_depth=8, thread_count=1))
+    try:
+        assert engine.kernel_faults(**{fault: 5}) == 5
+        payload = torch.randint(0, 256, (300_001,), dtype=torch.uint8)
+        assert torch.equal(_write_read(engine, str(tmp_path / "a.swap"), payload), payload)
+        assert engine.kernel_faults() == 0
+    finally:
+        engine.close()
+
+
+def _engine_and_file(tmp_path, pool):
+    engine = NativeEngine(AioSettings(block_size=8192, queue_depth=4, thread_count=1))
+    meta = ShardMeta((20_000,), torch.float32)
+    header, data = pool.acquire(HEADER_BYTES), pool.acquire(meta.padded_nbytes)
+    shard_file.encode(header.data, meta, 1, engine.block_size)
+    return engine, engine.open(str(tmp_path / "f.swap"), create=True), header.data, data.data, meta
+
+
+def test_a_short_write_is_finished_and_a_short_read_fails_naming_file_and_offset(tmp_path):
+    pool = PinnedPool(1 << 22)
+    engine, f, header, data, meta = _engine_and_file(tmp_path, pool)
+    try:
+        data[: meta.nbytes].copy_(torch.randint(0, 256, (meta.nbytes,), dtype=torch.uint8))
+        engine.kernel_faults(short_result=1)
+        engine.submit(WRITE, f, header, data, meta.nbytes).wait()  # the rest of the chunk written synchronously
+        assert engine.kernel_faults() == 0
+        back_header, back = pool.acquire(HEADER_BYTES).data, pool.acquire(meta.padded_nbytes).data
+        shard_file.verify(back_header, f.path, meta, 1, engine.block_size,
+                          engine.submit(READ, f, back_header, back, meta.nbytes).wait())
+        assert torch.equal(back[: meta.nbytes], data[: meta.nbytes])
+        engine.kernel_faults(short_result=1)
+        with pytest.raises(SwapIOError, match=r"read .*f\.swap at offset \d+: short read: 4096 of 8192 bytes"):
+            engine.submit(READ, f, back_header, back, meta.nbytes).wait()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("op", [WRITE, READ], ids=["write", "read"])
+def test_an_io_error_from_the_kernel_names_file_offset_and_errno(tmp_path, op):
+    pool = PinnedPool(1 << 22)
+    engine, f, header, data, meta = _engine_and_file(tmp_path, pool)
+    try:
+        if op == READ:
+            engine.submit(WRITE, f, header, data, meta.nbytes).wait()
+        engine.kernel_faults(eio_result=1)
+        verb = "write" if op == WRITE else "read"
+        with pytest.raises(SwapIOError, match=rf"{verb} .*f\.swap at offset \d+: Input/output error \(errno 5\)"):
+            engine.submit(op, f, header, data, meta.nbytes).wait()
+        assert engine.kernel_faults() == 0
+    finally:
+        engine.close()
+
+
+def test_without_kernel_aio_the_engine_moves_everything_with_pread_and_pwrite(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_AIO_NO_KERNEL_AIO", "1")
+    engine = NativeEngine(AioSettings(block_size=8192, queue_depth=8, thread_count=2))
+    try:
+        assert engine.kernel_aio_workers == 0
+        payload = torch.randint(0, 256, (100_001,), dtype=torch.uint8)
+        assert torch.equal(_write_read(engine, str(tmp_path / "a.swap"), payload), payload)
+    finally:
+        engine.close()

@@ -315,3 +315,30 @@ def test_a_parameter_moved_after_initialize_is_refused_by_name():
     with pytest.raises(offload.OffloadError, match=f"parameter {name} no longer lives where the engine put it"):
         engine(batch(1, 0, 0))
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_io_error_from_the_kernel_fails_the_step_and_the_last_checkpoint_loads(tmp_path, stage):
+    """EIO reported by a kernel AIO completion of an optimizer-state read or
+    write (Note [kernel faults]): the step fails naming the swap file, and the
+    checkpoint saved before loads into a new engine that trains on."""
+    cfg = config(stage, "nvme", 1, str(tmp_path), param_device="nvme" if stage == 3 else None)
+    engine = offload.initialize(make_model(), cfg)
+    engine.backward(engine(batch(0, 0, 0)))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    expected = engine.state_dict()
+    engine.optimizer.store.engine.kernel_faults(eio_result=1)
+    with pytest.raises(offload.OffloadError, match=r"\.swap at offset \d+: Input/output error \(errno 5\)"):
+        for step in range(1, 4):
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.step()
+        engine.synchronize()
+    engine.close(restore_model=False)
+    with offload.initialize(make_model(seed=3), cfg) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "ckpt"))
+        state = fresh.state_dict()
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+        fresh.backward(fresh(batch(1, 0, 0)))
+        fresh.step()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("offload-run-")] == []

@@ -366,6 +366,7 @@ class Engine:
 
     def disk_traffic(self) -> DiskTraffic:
         """Bytes read and written so far by this rank's swap files (optimizer state, gradients, weights)."""
+        self.update.wait(self.times)  # the optimizer's store is the worker's while a step is in flight
         return self.weights.traffic() + self.gradient.traffic() + self.optimizer.traffic()
 
     def memory_report(self) -> MemoryReport:

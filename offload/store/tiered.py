@@ -16,13 +16,26 @@ Swap files live in a private run directory under ``nvme_path`` (mode 0700,
 made by ``mkdtemp``), are created exclusively with mode 0600 without following
 symlinks, carry the header of ``shard_file.py``, and are removed by ``close()``,
 and at interpreter exit for a store that was never closed.
+
+Note [store threading]
+A store has no lock: one thread uses it at a time, and handing it to another
+thread is the caller's business, done with a happens-before edge (a future's
+result, a join). In the engine the main thread owns every store, except that
+the optimizer's passes to the delayed update's worker while a step is in
+flight (Note [delayed parameter update]), and on an accelerator autograd's
+device thread runs the overlapped step's speculation while the main thread
+waits in backward (Note [overlapped step]). Every public method that moves or
+changes shards checks that no other thread is inside the store and raises if
+one is: a broken hand-over fails loudly instead of corrupting a shard's state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -90,6 +103,27 @@ class _Traffic:
     demand_reads: int = 0  # reads started by get(): nobody had read ahead, so the caller waited for all of it
 
 
+def _one_thread(method):
+    """Note [store threading]: refuse a second thread inside the store."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        me = threading.get_ident()
+        if self._holder not in (None, me):
+            raise RuntimeError(f"TieredStore.{method.__name__} called on thread {me} while thread {self._holder} "
+                               "is inside the store (Note [store threading]); this is a bug in offload")
+        self._holder = me
+        self._depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._holder = None
+
+    return guarded
+
+
 @dataclass
 class _Cleanup:
     """What must go at close or exit; holds no reference to the store."""
@@ -122,6 +156,8 @@ class TieredStore:
         pin_memory: bool | None = None,
         pool_setting_name: str = "pinned_limit_bytes",
     ) -> None:
+        self._holder: int | None = None  # the thread inside a public method (Note [store threading])
+        self._depth = 0
         self.pool = PinnedPool(pinned_limit_bytes, pool_setting_name, pin_memory)
         self.aio = aio
         self._shards: dict[str, _Shard] = {}
@@ -145,6 +181,7 @@ class TieredStore:
 
     # -- the API ---------------------------------------------------------------
 
+    @_one_thread
     def put(self, key: str, tensor: torch.Tensor, tier: Tier | str = Tier.CPU) -> None:
         """Store a copy of ``tensor`` under ``key``; an nvme put starts its write now."""
         tier = Tier(tier)
@@ -179,6 +216,7 @@ class TieredStore:
         _view(shard).view(-1).copy_(source)
         self._start_write(shard)
 
+    @_one_thread
     def prefetch(self, keys: Iterable[str]) -> None:
         """Start reading the nvme shards among ``keys`` that are only on disk.
         Advisory: a shard that finds the pool full is skipped (counted in traffic)."""
@@ -191,6 +229,7 @@ class TieredStore:
                 except PoolExhausted:
                     self.traffic.prefetch_skipped += 1
 
+    @_one_thread
     def get(self, keys: Iterable[str]) -> list[torch.Tensor]:
         """The shards' tensors, resident and verified; nvme ones stay resident until released."""
         keys = list(keys)
@@ -201,6 +240,7 @@ class TieredStore:
                 self.traffic.demand_reads += 1
         return [self._resident(shard) for shard in shards]
 
+    @_one_thread
     def release(self, keys: Iterable[str], dirty: bool = False) -> None:
         """Done with these shards for now. Dirty nvme shards are written back
         asynchronously; clean ones give their buffer back at once."""
@@ -215,6 +255,7 @@ class TieredStore:
                 self._return_buffers(shard)
                 shard.state = State.ON_DISK
 
+    @_one_thread
     def overwrite(self, key: str, tensor: torch.Tensor) -> None:
         """Replace a shard's whole content without reading the old one; an nvme
         shard is written back asynchronously, as after ``release(dirty=True)``."""
@@ -226,6 +267,7 @@ class TieredStore:
         if shard.tier is Tier.NVME:
             self._start_write(shard)
 
+    @_one_thread
     def get_blank(self, key: str) -> torch.Tensor:
         """The shard's tensor, resident, with its old content not read back (its
         values are undefined): for a caller that will write all of it and then
@@ -243,6 +285,7 @@ class TieredStore:
         shard.expect(State.RESIDENT)
         return _view(shard)
 
+    @_one_thread
     def flush(self) -> None:
         """Wait for every write-back; raise the first failure among them."""
         failed = self._reap(block=True)
@@ -262,6 +305,7 @@ class TieredStore:
     def state(self, key: str) -> State:
         return self._shard(key).state
 
+    @_one_thread
     def landed(self, key: str) -> bool:
         """The shard's data is in memory, so ``get`` returns without waiting on the disk."""
         shard = self._shard(key)
@@ -274,6 +318,7 @@ class TieredStore:
     def keys(self) -> list[str]:
         return list(self._shards)
 
+    @_one_thread
     def close(self) -> None:
         """Wait for all I/O, then remove every swap file and the run directory."""
         if self._cleanup.engine is not None:

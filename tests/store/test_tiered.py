@@ -318,3 +318,33 @@ def test_overwrite_replaces_without_reading(tmp_path, tier):
         assert torch.equal(store.get(["o"])[0], torch.full((3000,), 7.0))
         with pytest.raises(ValueError, match="cannot overwrite it"):
             store.overwrite("o", torch.zeros(5))
+
+
+def test_a_second_thread_inside_the_store_is_refused(tmp_path, monkeypatch):
+    """Note [store threading]: while one thread is inside a public method,
+    another thread's call raises instead of changing shard states under it."""
+    import threading
+
+    store = TieredStore(None)
+    store.put("a", torch.ones(10))
+    inside, leave = threading.Event(), threading.Event()
+    original = TieredStore._reap
+
+    def slow_reap(self, block):
+        inside.set()
+        leave.wait(10)
+        return original(self, block)
+
+    monkeypatch.setattr(TieredStore, "_reap", slow_reap)
+    worker = threading.Thread(target=store.flush)
+    worker.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match=r"TieredStore\.get called on thread \d+ while thread \d+ is inside"):
+        store.get(["a"])
+    leave.set()
+    worker.join()
+    monkeypatch.setattr(TieredStore, "_reap", original)
+    (t,) = store.get(["a"])  # the owner left: another thread may use it now
+    assert torch.equal(t, torch.ones(10))
+    store.release(["a"])
+    store.close()

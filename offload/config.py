@@ -159,6 +159,8 @@ class Config:
     fp16: FP16Config = _f(FP16Config(), "float16 compute with loss scaling")
     zero_optimization: ZeroConfig = _f(ZeroConfig(), "ZeRO stage and offload")
     aio: AioSettings = _f(AioSettings(), "swap file I/O: block_size, queue_depth, thread_count (intra_op_parallelism)")
+    comm_timeout_s: float = _f(1800.0, "seconds a collective waits for a rank that stalls before failing (a rank that "
+                               "dies fails it at once); 1800 is torch's own default", gt=0)
 
     def __post_init__(self) -> None:
         if self.bf16.enabled and self.fp16.enabled:

@@ -62,6 +62,7 @@ class Engine:
         self.module = model
         self.config = config
         self.rank, self.world = comm.world()
+        comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
         offload = zero.offload_optimizer
         self.accumulation = config.gradient_accumulation_steps

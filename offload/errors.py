@@ -18,6 +18,7 @@ knowing offload (``ValueError``, ``OSError``, ``MemoryError``).
     ├── NativeUnavailable  the native library could not be loaded   (RuntimeError)
     ├── NativeError      a native call refused its arguments        (ValueError)
     ├── LossScaleError   fp16 overflowed at the minimum loss scale  (RuntimeError)
+    ├── CommError        a collective failed: a rank died or stalled (RuntimeError), exit 1
     └── StorageError     a swap file or its disk failed            (OSError), exit 1
         ├── SwapIOError  a read or write of a swap file
         ├── CorruptShard a swap file that fails its checks
@@ -59,6 +60,12 @@ class NativeError(OffloadError, ValueError):
 
 class LossScaleError(OffloadError, RuntimeError):
     """fp16 training overflowed at the minimum loss scale and cannot go on."""
+
+
+class CommError(OffloadError, RuntimeError):
+    """A collective failed: another rank died, or stalled longer than comm_timeout_s."""
+
+    exit_status = 1
 
 
 class StorageError(OffloadError, OSError):

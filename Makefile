@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard native/*) $(word 2,$(ENV)) $(if $(w
 	@mkdir -p $(@D) && touch $@
 
 # The main job: the bundled GPT on the bundled text, optimizer state on NVMe in
-# a temporary directory (about a minute on 2 cores); results under runs/.
+# a temporary directory (1-1.5 minutes on 2 cores); results under runs/.
 train: install
 	$(PYTHON) -m offload train
 

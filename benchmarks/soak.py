@@ -19,7 +19,6 @@ Prints a table per window and the verdict; exit status 1 if any fails.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -32,21 +31,7 @@ import torch
 
 import offload
 from offload.models.gpt import GPT, GPTConfig
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def live_heap_bytes() -> int:
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return -1
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
+from offload.report import live_heap_bytes
 
 
 def sample(process: psutil.Process) -> dict[str, int]:

@@ -7,6 +7,7 @@ engine only sums them.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -67,3 +68,20 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def live_heap_bytes() -> int:
+    """What glibc has handed out and not got back (mallinfo2: in use, arena and
+    mmapped); -1 without glibc. The leak checks of the soak and host-memory runs."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return -1
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd

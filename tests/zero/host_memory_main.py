@@ -3,7 +3,6 @@ with weights and optimizer state on NVMe and prints, after every step, the
 process's RSS and its live heap bytes (glibc's mallinfo2: in use, arena and
 mmapped; -1 without glibc), as JSON."""
 
-import ctypes
 import json
 import os
 import sys
@@ -15,21 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import offload  # noqa: E402
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def live_heap_bytes() -> int:
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return -1
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
+from offload.report import live_heap_bytes  # noqa: E402
 
 
 nvme, steps = sys.argv[1], int(sys.argv[2])

@@ -1,5 +1,5 @@
-// CRC-32C with the SSE4.2 crc32 instruction when the CPU has it (about 8 bytes
-// a cycle per stream), else a slice-by-8 table. Both give the same value.
+// CRC-32C with the SSE4.2 crc32 instruction when the CPU has it, else a
+// slice-by-8 table. Both give the same value.
 #include "crc32c.h"
 
 #include <nmmintrin.h>
@@ -12,6 +12,7 @@ namespace offload_native {
 namespace {
 
 constexpr uint32_t kPolyReflected = 0x82f63b78u;
+constexpr size_t kStreamMin = 1024;  // shorter chains are not worth joining
 
 struct Tables {
   uint32_t t[8][256];
@@ -44,13 +45,54 @@ uint32_t crc_table(const uint8_t* p, size_t n, uint32_t crc) {
   return crc;
 }
 
+// Multiplication modulo the polynomial, bit-reflected (bit 31 is x^0).
+uint32_t mul_mod_p(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t m = 1u << 31; m != 0; m >>= 1) {
+    if (a & m) product ^= b;
+    b = (b & 1u) ? (b >> 1) ^ kPolyReflected : b >> 1;
+  }
+  return product;
+}
+
+// x^(8 n) modulo the polynomial: multiplying a CRC register by it is what
+// running it over n zero bytes does.
+uint32_t x_pow_8n(size_t n) {
+  uint32_t result = 1u << 31, square = 1u << 23;  // x^0, x^8
+  for (; n != 0; n >>= 1) {
+    if (n & 1) result = mul_mod_p(result, square);
+    square = mul_mod_p(square, square);
+  }
+  return result;
+}
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t word;
+  std::memcpy(&word, p, 8);
+  return word;
+}
+
+// The crc32 instruction takes 3 cycles to give its result and can start one
+// a cycle, so one chain runs at a third of its speed: three chains over three
+// thirds of a long buffer, joined by the linearity of the CRC
+// (crc(a + b) = crc(a) x^(8 |b|) + crc(b)), run at close to 8 bytes a cycle.
 __attribute__((target("sse4.2"))) uint32_t crc_sse42(const uint8_t* p, size_t n, uint32_t crc) {
   uint64_t c = crc;
-  for (; n >= 8; p += 8, n -= 8) {
-    uint64_t word;
-    std::memcpy(&word, p, 8);
-    c = _mm_crc32_u64(c, word);
+  if (n >= 3 * kStreamMin) {
+    const size_t len = n / 24 * 8;  // bytes per chain, a multiple of 8
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < len; i += 8) {
+      c = _mm_crc32_u64(c, load_u64(p + i));
+      c1 = _mm_crc32_u64(c1, load_u64(p + len + i));
+      c2 = _mm_crc32_u64(c2, load_u64(p + 2 * len + i));
+    }
+    const uint32_t shift = x_pow_8n(len);
+    c = mul_mod_p(mul_mod_p(static_cast<uint32_t>(c), shift) ^ static_cast<uint32_t>(c1), shift) ^
+        static_cast<uint32_t>(c2);
+    p += 3 * len;
+    n -= 3 * len;
   }
+  for (; n >= 8; p += 8, n -= 8) c = _mm_crc32_u64(c, load_u64(p));
   uint32_t c32 = static_cast<uint32_t>(c);
   for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, *p);
   return c32;

@@ -27,6 +27,11 @@ def test_crc32c_known_value_and_both_paths_agree():
     assert fast == _native.lib().offload_crc32c_portable(blob.data_ptr(), blob.numel(), 0)
     first = _native.lib().offload_crc32c(blob.data_ptr(), 50_000, 0)
     assert _native.lib().offload_crc32c(blob.data_ptr() + 50_000, 50_003, first) == fast
+    # Long buffers run as three joined chains: every split and tail length, any starting CRC.
+    for n in [*range(3000, 3200), 24 * 4096 + 23, 100_003]:
+        start = (n * 2654435761) % 2**32
+        assert (_native.lib().offload_crc32c(blob.data_ptr(), n, start)
+                == _native.lib().offload_crc32c_portable(blob.data_ptr(), n, start)), n
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 1000), ("queue_depth", 0), ("thread_count", 0), ("backend", "uring")])

@@ -102,7 +102,8 @@ class OffloadOptimizerConfig:
     delayed_update: bool = _f(False, "one-step delayed parameter update (DPU): the CPU step overlaps the next forward/backward")
     overlap_step: bool = _f(False, "stages 2-3: each sub-group's step runs during the last backward, as soon as its "
                             "gradient is complete, and is rolled back if clipping or an overflow says otherwise "
-                            "(exact); holds up to buffer_count sub-groups' state copies")
+                            "(exact); holds up to buffer_count sub-groups' new weights, and their old state: "
+                            "on cpu as copies, on nvme in buffer_count more pool buffers")
     delayed_update_warmup: int = _f(5, "plain steps before DPU starts", ge=0)
     state_dtype: str | None = _f(None, "device cpu or nvme: Adam's moments stored as float32 (12 bytes per "
                                  "parameter with the fp32 master), bfloat16 (8) or int8 (6: 8-bit codes with a "

@@ -90,7 +90,10 @@ class Engine:
         largest_part = max(b.part for b in self.layout.buckets) * torch.empty((), dtype=self.dtype).element_size()
         self.transfer = Transfer(self.device, PinnedPool(2 * footprint(largest_part), "gradient staging",
                                                          None if offload.pin_memory else False))
-        self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer)
+        overlap = offload.overlap_step and offloaded and zero.stage > 1
+        # Note [overlapped step]: up to buffer_count sub-groups are speculated per step.
+        self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer,
+                                        speculated=offload.buffer_count if overlap else 0)
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,
@@ -120,7 +123,7 @@ class Engine:
         self.scaler = LossScaler(config.fp16)
         if offload.delayed_update:
             self.update = DelayedUpdate(self.optimizer, self.weights, self.gradient, offload.delayed_update_warmup)
-        elif offload.overlap_step and offloaded and zero.stage > 1:
+        elif overlap:
             self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count)
         else:
             self.update = ImmediateUpdate(self.optimizer, self.weights, self.gradient)

@@ -40,7 +40,8 @@ with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
                  gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
                  pool(o*s, buffer_count); with overlap_step, buffer_count
-                 sub-groups' state copies and new weights, (o+d)*s each, host
+                 sub-groups' new weights, d*s each, host, and on cpu their
+                 state copies (o*s each), on nvme as many more pool buffers
   weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
@@ -199,11 +200,14 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     if zero.offload_optimizer.delayed_update and setup.optimizer != "none" and setup.stage < 3:
         tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * n
     tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else o) * n
+    buffers = zero.offload_optimizer.buffer_count
+    speculated = buffers if zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1 else 0
     if setup.optimizer == "nvme":
-        tiers["host"]["optimizer pool"] = pool_bytes([o * sub_group], zero.offload_optimizer.buffer_count)
-    if zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1:
-        # Note [overlapped step]: each speculated sub-group's state copy and new weights.
-        tiers["host"]["overlapped step's copies"] = zero.offload_optimizer.buffer_count * (o + d) * sub_group
+        tiers["host"]["optimizer pool"] = pool_bytes([o * sub_group], buffers + speculated)
+    if speculated:
+        # Note [overlapped step]: each speculated sub-group's new weights, and in host memory its state's copy.
+        copy = o if setup.optimizer == "cpu" else 0
+        tiers["host"]["overlapped step's copies"] = speculated * (copy + d) * sub_group
 
     offloaded = setup.optimizer != "none"
     pcie = 0.0

@@ -88,10 +88,13 @@ class ShardOptimizer:
     #   memory(report), traffic(), close()
 
 
-def make_optimizer(numel: int, config: Config, device: torch.device, transfer: Transfer) -> ShardOptimizer:
+def make_optimizer(numel: int, config: Config, device: torch.device, transfer: Transfer,
+                   speculated: int = 0) -> ShardOptimizer:
+    """``speculated``: how many sub-groups an overlapped step may have updated
+    ahead of ``step()`` at once (Note [overlapped step])."""
     if config.zero_optimization.offload_optimizer.device == "none":
         return DeviceOptimizer(numel, config, device, transfer)
-    return StoreOptimizer(numel, config)
+    return StoreOptimizer(numel, config, speculated)
 
 
 class DeviceOptimizer(ShardOptimizer):
@@ -182,15 +185,17 @@ class DeviceOptimizer(ShardOptimizer):
 
 
 class StoreOptimizer(ShardOptimizer):
-    def __init__(self, numel: int, config: Config) -> None:
+    def __init__(self, numel: int, config: Config, speculated: int = 0) -> None:
         """State for ``numel`` owned elements, zero until ``write_master`` fills the
-        master weights (part by part, so the owned shard is never all in host memory)."""
+        master weights (part by part, so the owned shard is never all in host memory).
+        On nvme the pool holds ``speculated`` more buffers, for the sub-groups
+        ``speculate`` keeps resident."""
         super().__init__(numel, config)
         offload = config.zero_optimization.offload_optimizer
         self.tier = offload.device
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
-        buffers = offload.buffer_count if self.tier == "nvme" else 1
-        self.read_ahead = max(1, buffers - 2)  # one buffer is being updated and one written back
+        buffers = offload.buffer_count + speculated if self.tier == "nvme" else 1
+        self.read_ahead = max(1, offload.buffer_count - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
         self.format = StateFormat.named(config.state_dtype, config.master_dtype)
         self.store = TieredStore(
@@ -292,24 +297,36 @@ class StoreOptimizer(ShardOptimizer):
         # The last write-backs finish while the next forward runs; a read of
         # a sub-group still being written waits for it (the store's states).
 
-    def speculate(self, i: int, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, backup: torch.Tensor,
-                  weights: torch.Tensor) -> bool:
+    def speculate(self, i: int, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper,
+                  backup: torch.Tensor | None, weights: torch.Tensor) -> bool:
         """Sub-group i's Adam step for the step about to be taken (Note [overlapped
-        step]), its state first saved into ``backup`` (as many bytes), its new
-        weights into ``weights`` (the compute dtype). False, with nothing done,
-        when reads ahead hold every pool buffer: the sub-group waits for step()."""
+        step]), its new weights into ``weights`` (the compute dtype). Its old state
+        is kept until ``settle``: on nvme in its swap file, the sub-group staying
+        resident and unwritten; in host memory, copied first into ``backup``
+        (``backup_nbytes`` bytes; None on nvme). False, with nothing done, when
+        reads ahead hold every pool buffer: the sub-group waits for step()."""
         try:
             (buffer,) = self.store.get([self._key(i)])
         except PoolExhausted:
             return False
-        backup.copy_(buffer)
+        if backup is not None:
+            backup.copy_(buffer)
         self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
-        self.store.release([self._key(i)], dirty=True)
         return True
 
-    def restore(self, i: int, backup: torch.Tensor) -> None:
-        """Sub-group i's state as ``speculate`` found it."""
-        self.store.overwrite(self._key(i), backup)
+    def backup_nbytes(self, n: int) -> int:
+        """What ``speculate`` needs to keep the old state of a sub-group of n
+        elements: nothing on nvme, whose swap file keeps it (a copy costs the
+        worker more than the Adam step itself)."""
+        return 0 if self.tier == "nvme" else self.format.nbytes(n)
+
+    def settle(self, i: int, backup: torch.Tensor | None, keep: bool) -> None:
+        """A speculated sub-group's step stands (written back on nvme) or is
+        undone: its state as ``speculate`` found it."""
+        if self.tier == "nvme":
+            self.store.release([self._key(i)], dirty=keep)
+        elif not keep:
+            self.store.overwrite(self._key(i), backup)
 
     def flush(self) -> None:
         self.store.flush()

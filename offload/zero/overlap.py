@@ -14,11 +14,14 @@ learning rate of the moment backward began. At ``step()`` the norm is known:
   - if it matches (no overflow, clipping does not bind, the same learning
     rate), the speculated sub-groups are kept (their weights handed over) and
     the others stepped as usual: bitwise the plain step;
-  - otherwise every speculated sub-group gets its saved state back, and the
+  - otherwise every speculated sub-group gets its old state back, and the
     plain step runs (or, on overflow, is skipped): a rollback.
-At most ``buffer_count`` sub-groups are speculated per step (each holds a
-copy of its state (Note [state format]) and its new weights); the rest wait
-for ``step()``. When most recent steps rolled back (clipping binds, as early
+Until then a speculated sub-group's old state is kept where it costs least:
+on nvme in its swap file, the sub-group staying resident in one of
+``buffer_count`` extra pool buffers and written back only if kept (a rollback
+just drops it); in host memory, as a copy (Note [state format]) taken before
+its Adam step. At most ``buffer_count`` sub-groups are speculated per step,
+each also holding its new weights; the rest wait for ``step()``. When most recent steps rolled back (clipping binds, as early
 in training), speculation stops, once said, and is tried again every
 ``RETRY_EVERY`` steps.
 
@@ -61,7 +64,7 @@ class OverlappedStep:
         self._left: dict[int, int] = {}
         self._sums: dict[int, float] = {}
         self._stepped: dict[int, torch.Tensor] = {}  # sub-group -> its new weights
-        self._backups: dict[int, torch.Tensor] = {}  # sub-group -> its state before the step
+        self._backups: dict[int, torch.Tensor | None] = {}  # sub-group -> its state before the step, if copied
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers those views live in
         self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # such buffers, free
         self._guess, self._hyper = 0.0, optimizer.hyper
@@ -123,12 +126,13 @@ class OverlappedStep:
         grad = self.gradient.tensor[lo:hi]
         self._sums[i] = sum_squares(grad)
         if speculate:
-            largest, n = self.optimizer.groups.largest, hi - lo
-            state_format = self.optimizer.format
+            largest = self.optimizer.groups.largest
             bases = self._spare.pop() if self._spare else (
-                torch.empty(state_format.nbytes(largest), dtype=torch.uint8),
+                torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
                 torch.empty(largest, dtype=self.weights.dtype))
-            state, weights = bases[0][: state_format.nbytes(n)], bases[1][:n]
+            backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
+            state = bases[0][:backup_nbytes] if backup_nbytes else None
+            weights = bases[1][: hi - lo]
             if not self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights):
                 self._spare.append(bases)
                 return
@@ -159,6 +163,8 @@ class OverlappedStep:
         kept = self._stepped if multiplier == self._guess and self.optimizer.hyper == self._hyper else {}
         if self._stepped and not kept:
             self._roll_back()
+        for i in kept:
+            self.optimizer.settle(i, self._backups[i], keep=True)
         self.kept += len(kept)
         self._note(rolled_back=bool(self._stepped) and not kept, step=step)
         start = time.perf_counter()
@@ -182,8 +188,7 @@ class OverlappedStep:
 
     def _roll_back(self) -> None:
         for i, backup in self._backups.items():
-            self.optimizer.restore(i, backup)
-        self.optimizer.flush()  # the restored state is on disk before any reader
+            self.optimizer.settle(i, backup, keep=False)
         self.rollbacks += 1
 
     def _note(self, rolled_back: bool, step: int) -> None:

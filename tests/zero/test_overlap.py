@@ -62,11 +62,12 @@ def test_bitwise_the_plain_step(tmp_path, stage, device, accumulation, clip):
     over.close()
 
 
-def test_an_overflow_or_a_late_learning_rate_rolls_back(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "nvme"])  # the old state copied, or kept in its swap file
+def test_an_overflow_or_a_late_learning_rate_rolls_back(tmp_path, device):
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
 
     def run(overlap_step):
-        engine = offload.initialize(make_model(), _config(tmp_path, 2, "cpu", 1, 1e6, overlap_step, **fp16))
+        engine = offload.initialize(make_model(), _config(tmp_path, 2, device, 1, 1e6, overlap_step, **fp16))
         for step in range(STEPS):
             loss = engine(batch(step, 0, 0))
             engine.backward(loss * float("inf") if step == 2 else loss)  # step 2 overflows

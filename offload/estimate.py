@@ -40,8 +40,9 @@ with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
                  gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
                  pool(o*s, buffer_count); with overlap_step, buffer_count
-                 sub-groups' new weights, d*s each, host, and on cpu their
-                 state copies (o*s each), on nvme as many more pool buffers
+                 sub-groups' new weights in a 2-byte d (d*s each, host), and
+                 on cpu their state copies (o*s each), on nvme as many more
+                 pool buffers
   weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
@@ -205,9 +206,11 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     if setup.optimizer == "nvme":
         tiers["host"]["optimizer pool"] = pool_bytes([o * sub_group], buffers + speculated)
     if speculated:
-        # Note [overlapped step]: each speculated sub-group's new weights, and in host memory its state's copy.
-        copy = o if setup.optimizer == "cpu" else 0
-        tiers["host"]["overlapped step's copies"] = speculated * (copy + d) * sub_group
+        # Note [overlapped step]: each speculated sub-group's new low-precision weights, and in host memory its
+        # state's copy.
+        copies = (o if setup.optimizer == "cpu" else 0) + (d if d < 4 else 0)
+        if copies:
+            tiers["host"]["overlapped step's copies"] = speculated * copies * sub_group
 
     offloaded = setup.optimizer != "none"
     pcie = 0.0

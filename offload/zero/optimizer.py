@@ -215,17 +215,18 @@ class StoreOptimizer(ShardOptimizer):
         return f"subgroup{i:05d}"
 
     def _adam(self, i: int, buffer: torch.Tensor, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, step: int,
-              target: torch.Tensor) -> None:
+              target: torch.Tensor | None) -> None:
         """Adam step ``step`` of sub-group i, whose state is ``buffer``; its new
         weights go to ``target`` in the compute dtype (in the same pass, when
-        that is a low precision). A bf16 master is rounded with the key of
-        (step, i) (Note [stochastic rounding])."""
+        that is a low precision), or nowhere (None: the caller reads the
+        master). A bf16 master is rounded with the key of (step, i) (Note
+        [stochastic rounding])."""
         master, exp_avg, exp_avg_sq = self._views(i, buffer)
-        low_precision = target.dtype != torch.float32
+        low_precision = target is not None and target.dtype != torch.float32
         sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
                   out=target if low_precision else None, threads=self.threads, sr_key=sr_key)
-        if not low_precision:
+        if target is not None and not low_precision:
             target.copy_(master)
 
     def _views(self, i: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,8 +260,8 @@ class StoreOptimizer(ShardOptimizer):
         """One Adam step of the whole shard from ``grad`` times ``grad_scale``,
         with ``hyper`` (default: the current ones; a step on another thread is
         given those of the moment it was started). ``stepped``: sub-groups
-        already updated for this step (``speculate``), with their new weights,
-        which are only handed over."""
+        ``speculate`` already updated for this step, with their new weights,
+        which are only handed over, and kept (``settle``)."""
         self.step_count += 1
         self.times = StepTimes()
         hyper = hyper or self.hyper
@@ -271,6 +272,7 @@ class StoreOptimizer(ShardOptimizer):
         for i, new in sorted(stepped.items()):
             lo, hi = self.groups[i]
             self._hand_over(weights, lo, hi, lambda target: target.copy_(new))
+            self.settle(i, None, keep=True)
         for n, i in enumerate(todo):
             lo, hi = self.groups[i]
             if self.pipeline_read:
@@ -298,21 +300,24 @@ class StoreOptimizer(ShardOptimizer):
         # a sub-group still being written waits for it (the store's states).
 
     def speculate(self, i: int, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper,
-                  backup: torch.Tensor | None, weights: torch.Tensor) -> bool:
+                  backup: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor | None:
         """Sub-group i's Adam step for the step about to be taken (Note [overlapped
-        step]), its new weights into ``weights`` (the compute dtype). Its old state
-        is kept until ``settle``: on nvme in its swap file, the sub-group staying
-        resident and unwritten; in host memory, copied first into ``backup``
-        (``backup_nbytes`` bytes; None on nvme). False, with nothing done, when
-        reads ahead hold every pool buffer: the sub-group waits for step()."""
+        step]). Returns its new weights: ``weights``, filled in a low-precision
+        compute dtype by the kernel's pass, or for fp32 compute (``weights``
+        None) the master itself, which a copy would only duplicate. Until
+        ``settle`` the old state is kept: on nvme in its swap file, the
+        sub-group staying resident and unwritten; in host memory, copied first
+        into ``backup`` (``backup_nbytes`` bytes; None on nvme). None, with
+        nothing done, when reads ahead hold every pool buffer: the sub-group
+        waits for step()."""
         try:
             (buffer,) = self.store.get([self._key(i)])
         except PoolExhausted:
-            return False
+            return None
         if backup is not None:
             backup.copy_(buffer)
         self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
-        return True
+        return self._views(i, buffer)[0] if weights is None else weights
 
     def backup_nbytes(self, n: int) -> int:
         """What ``speculate`` needs to keep the old state of a sub-group of n

@@ -21,7 +21,8 @@ on nvme in its swap file, the sub-group staying resident in one of
 ``buffer_count`` extra pool buffers and written back only if kept (a rollback
 just drops it); in host memory, as a copy (Note [state format]) taken before
 its Adam step. At most ``buffer_count`` sub-groups are speculated per step,
-each also holding its new weights; the rest wait for ``step()``. When most recent steps rolled back (clipping binds, as early
+each also holding its new weights in a low-precision compute dtype (fp32
+weights are the master itself); the rest wait for ``step()``. When most recent steps rolled back (clipping binds, as early
 in training), speculation stops, once said, and is tried again every
 ``RETRY_EVERY`` steps.
 
@@ -63,7 +64,7 @@ class OverlappedStep:
         self._active = False
         self._left: dict[int, int] = {}
         self._sums: dict[int, float] = {}
-        self._stepped: dict[int, torch.Tensor] = {}  # sub-group -> its new weights
+        self._stepped: dict[int, torch.Tensor] = {}  # sub-group -> its new weights (fp32: its master)
         self._backups: dict[int, torch.Tensor | None] = {}  # sub-group -> its state before the step, if copied
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers those views live in
         self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # such buffers, free
@@ -126,17 +127,18 @@ class OverlappedStep:
         grad = self.gradient.tensor[lo:hi]
         self._sums[i] = sum_squares(grad)
         if speculate:
-            largest = self.optimizer.groups.largest
+            largest, low_precision = self.optimizer.groups.largest, self.weights.dtype != torch.float32
             bases = self._spare.pop() if self._spare else (
                 torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
-                torch.empty(largest, dtype=self.weights.dtype))
+                torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
             backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
             state = bases[0][:backup_nbytes] if backup_nbytes else None
-            weights = bases[1][: hi - lo]
-            if not self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights):
+            new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state,
+                                           bases[1][: hi - lo] if low_precision else None)
+            if new is None:
                 self._spare.append(bases)
                 return
-            self._backups[i], self._stepped[i], self._bases[i] = state, weights, bases
+            self._backups[i], self._stepped[i], self._bases[i] = state, new, bases
 
     def end_backward(self) -> None:
         self._active = False
@@ -163,8 +165,6 @@ class OverlappedStep:
         kept = self._stepped if multiplier == self._guess and self.optimizer.hyper == self._hyper else {}
         if self._stepped and not kept:
             self._roll_back()
-        for i in kept:
-            self.optimizer.settle(i, self._backups[i], keep=True)
         self.kept += len(kept)
         self._note(rolled_back=bool(self._stepped) and not kept, step=step)
         start = time.perf_counter()

@@ -378,7 +378,7 @@ class Engine:
         peak. Waits for a delayed update in flight (its worker uses the store)."""
         self.update.wait(self.times)
         report = MemoryReport()
-        for part in (self.weights, self.reducer, self.gradient, self.optimizer):
+        for part in (self.weights, self.reducer, self.gradient, self.optimizer, self.update):
             part.memory(report)
         return report
 

@@ -154,6 +154,14 @@ class Estimate:
         return out
 
 
+def _pool_of_sub_groups(element_bytes: int, n: int, sub_group: int, copies: int) -> int:
+    """A pool for ``copies`` sub-groups at once, which never holds more than all of them."""
+    groups = math.ceil(n / sub_group)
+    if copies < groups:
+        return pool_bytes([element_bytes * sub_group], copies)
+    return pool_bytes([element_bytes * sub_group] * (groups - 1) + [element_bytes * (n - (groups - 1) * sub_group)])
+
+
 def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1,
              state_dtype: str | None = None, master_dtype: str | None = None) -> Estimate:
     """Note [estimate terms] for one setup; ``config`` gives the dtypes and
@@ -202,9 +210,10 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * n
     tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else o) * n
     buffers = zero.offload_optimizer.buffer_count
-    speculated = buffers if zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1 else 0
+    overlap = zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1
+    speculated = min(buffers, math.ceil(n / sub_group)) if overlap else 0
     if setup.optimizer == "nvme":
-        tiers["host"]["optimizer pool"] = pool_bytes([o * sub_group], buffers + speculated)
+        tiers["host"]["optimizer pool"] = _pool_of_sub_groups(o, n, sub_group, buffers + speculated)
     if speculated:
         # Note [overlapped step]: each speculated sub-group's new low-precision weights, and in host memory its
         # state's copy.

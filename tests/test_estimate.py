@@ -85,11 +85,23 @@ def test_the_estimate_is_what_the_engine_holds_and_moves(tmp_path, setup, state_
     """Per tier, the estimate lies within 10% (+64 KiB of headers) of the peak
     the engine's memory report gives, and so do the bytes read and written per
     step, for every optimizer state format."""
+    _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step=False)
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+@pytest.mark.parametrize("setup", [Setup(2, "cpu"), Setup(2, "nvme"), Setup(3, "nvme", "cpu")], ids=str)
+def test_the_estimate_counts_the_overlapped_steps_copies_and_buffers(tmp_path, setup):
+    """Note [overlapped step]: state copies on cpu, more pool buffers on nvme, new bf16 weights on both."""
+    _check_estimate(tmp_path, setup, "float32", "float32", overlap_step=True)
+
+
+def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step):
     c = SIZES["small"]
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             "stage3_max_live_parameters": 200_000,
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
                                   "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme",
+                                  "overlap_step": overlap_step,
                                   **({"state_dtype": state_dtype, "master_dtype": master_dtype}
                                      if setup.optimizer != "none" else {})}}
     if setup.stage == 3:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from offload.report import PhaseTimes
+from offload.report import MemoryReport, PhaseTimes
 from offload.zero.optimizer import ShardOptimizer
 from offload.zero.owned_grad import InMemoryGradient, OwnedGradient
 from offload.zero.weights import Weights
@@ -61,6 +61,9 @@ class _AfterBackward:
         """Seconds of optimizer work the last step cost, wherever it ran; the
         main thread spent ``step_seconds`` in ``step()`` (for offload bench step)."""
         return step_seconds
+
+    def memory(self, report: MemoryReport) -> None:
+        """Memory of its own, beyond the optimizer's and the gradient's: none."""
 
 
 class ImmediateUpdate(_AfterBackward):

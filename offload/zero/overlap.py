@@ -22,9 +22,9 @@ on nvme in its swap file, the sub-group staying resident in one of
 just drops it); in host memory, as a copy (Note [state format]) taken before
 its Adam step. At most ``buffer_count`` sub-groups are speculated per step,
 each also holding its new weights in a low-precision compute dtype (fp32
-weights are the master itself); the rest wait for ``step()``. When most recent steps rolled back (clipping binds, as early
-in training), speculation stops, once said, and is tried again every
-``RETRY_EVERY`` steps.
+weights are the master itself); the rest wait for ``step()``. When most
+recent steps rolled back (clipping binds, as early in training), speculation
+stops, once said, and is tried again every ``RETRY_EVERY`` steps.
 
 Threads: during backward the worker alone uses the optimizer and its store;
 the main thread hands it gradient parts and waits for it in ``step()``.

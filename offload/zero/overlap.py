@@ -27,7 +27,9 @@ recent steps rolled back (clipping binds, as early in training), speculation
 stops, once said, and is tried again every ``RETRY_EVERY`` steps.
 
 Threads: during backward the worker alone uses the optimizer and its store;
-the main thread hands it gradient parts and waits for it in ``step()``.
+the main thread hands it gradient parts and waits for it in ``step()``, or
+before it reads the state between backward and ``step()`` (a state dict, a
+report), which undoes the speculation.
 """
 
 from __future__ import annotations
@@ -220,7 +222,13 @@ class OverlappedStep:
         return self.worker_seconds + step_seconds - self.join_seconds
 
     def wait(self, times: PhaseTimes) -> None:
+        """The main thread is about to use the optimizer outside a step (a state
+        dict, a report): speculated sub-groups are undone first, so it finds
+        the state the plain engine has now, and ``step()`` takes them as usual."""
         self._join()
+        if self._stepped:
+            self._roll_back()
+            self._recycle()
 
     def finish(self, times: PhaseTimes) -> None:
         self._join()

@@ -85,6 +85,26 @@ def test_an_overflow_or_a_late_learning_rate_rolls_back(tmp_path, device):
     over.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_state_dict_between_backward_and_step_sees_the_state_before_the_step(tmp_path, device):
+    """Reading the weights mid-window undoes the speculation: the reader sees
+    the state the plain engine has then, and the step is still the plain one."""
+    engines = [offload.initialize(make_model(), _config(tmp_path, 2, device, 1, 1e6, overlap_step))
+               for overlap_step in (False, True)]
+    for step in range(3):
+        middles = []
+        for engine in engines:
+            engine.backward(engine(batch(step, 0, 0)))
+            middles.append(engine.state_dict())
+            engine.step()
+        assert all(torch.equal(middles[1][k], middles[0][k]) for k in middles[0])
+    plain, over = (engine.state_dict() for engine in engines)
+    assert all(torch.equal(over[k], plain[k]) for k in plain)
+    assert engines[1].update.rollbacks == 3
+    for engine in engines:
+        engine.close()
+
+
 def test_frequent_rollbacks_stop_speculation_once_said(tmp_path, monkeypatch):
     monkeypatch.setattr(overlap, "WINDOW", 4)
     monkeypatch.setattr(overlap, "RETRY_EVERY", 3)

@@ -46,6 +46,7 @@ import warnings
 
 import torch
 
+import offload
 from offload.config import Config
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.zero.materialize import is_meta
@@ -225,8 +226,6 @@ class OffloadTrainer(transformers.Trainer):
         if resolved["optimizer"]["params"].get("weight_decay", 0):
             warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
                           "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
-        import offload
-
         config = Config.load(resolved)
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from offload.checkpoint.format import write_synced
 from offload.safetensors_file import nbytes, write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -89,8 +90,5 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    with open(path + ".partial", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path + ".partial", data)
     os.replace(path + ".partial", path)

@@ -70,7 +70,6 @@ class OverlappedStep:
         self._backups: dict[int, torch.Tensor | None] = {}  # sub-group -> its state before the step, if copied
         self._bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the buffers those views live in
         self._spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # such buffers, free
-        self._copies_bytes = 0  # all such buffers: made as needed, kept for reuse
         self._guess, self._hyper = 0.0, optimizer.hyper
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # did the step roll back
         self._paused_at: int | None = None  # the step speculation stopped at
@@ -131,7 +130,9 @@ class OverlappedStep:
         self._sums[i] = sum_squares(grad)
         if speculate:
             largest, low_precision = self.optimizer.groups.largest, self.weights.dtype != torch.float32
-            bases = self._spare.pop() if self._spare else self._new_bases(largest, low_precision)
+            bases = self._spare.pop() if self._spare else (
+                torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
+                torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
             backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
             state = bases[0][:backup_nbytes] if backup_nbytes else None
             new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state,
@@ -140,12 +141,6 @@ class OverlappedStep:
                 self._spare.append(bases)
                 return
             self._backups[i], self._stepped[i], self._bases[i] = state, new, bases
-
-    def _new_bases(self, largest: int, low_precision: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        bases = (torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
-                 torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
-        self._copies_bytes += sum(t.nbytes for t in bases)
-        return bases
 
     def end_backward(self) -> None:
         self._active = False
@@ -234,8 +229,10 @@ class OverlappedStep:
         self._join()
 
     def memory(self, report: MemoryReport) -> None:
-        if self._copies_bytes:
-            report.add("overlapped step's copies", "host", self._copies_bytes, self._copies_bytes)
+        """Every buffer ever made is kept, in use or spare, so what it holds now is its peak."""
+        held = sum(t.nbytes for bases in (*self._bases.values(), *self._spare) for t in bases)
+        if held:
+            report.add("overlapped step's copies", "host", held, held)
 
     def close(self) -> None:
         self._worker.shutdown()

@@ -30,11 +30,26 @@ Threads: during backward the worker alone uses the optimizer and its store;
 the main thread hands it gradient parts and waits for it in ``step()``, or
 before it reads the state between backward and ``step()`` (a state dict, a
 report), which undoes the speculation.
+
+Note [worker priority]
+On Linux the worker runs at nice ``WORKER_NICE`` above the process (the
+OpenMP threads it starts for the CPU Adam inherit it). When backward computes
+on the host, its threads already fill the cores: a worker competing with them
+at the same priority preempts a member of their team, whose barrier then
+waits for it, so backward slowed by more than the worker's work. At a lower
+priority the worker takes the cycles backward leaves (its serial stretches,
+the waits of its team) and ``step()`` waits for whatever is left, which then
+runs alone. With a GPU computing backward, the host threads that launch its
+kernels come first in the same way. Measured with ``offload bench step``
+(benchmarks/RESULTS.md, "The overlapped step's worker at a lower priority").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -49,6 +64,19 @@ from offload.zero.owned_grad import InMemoryGradient
 from offload.zero.weights import Weights
 
 WINDOW, RETRY_EVERY = 10, 20  # steps looked back on; steps between tries once speculation stopped
+WORKER_NICE = 10  # Note [worker priority]
+
+
+def _below_backward() -> None:
+    """Note [worker priority]. Linux only: elsewhere a thread id given to
+    setpriority would name a process, or be refused."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
+    except OSError as e:
+        warnings.warn(f"offload: the overlapped step's worker keeps the process's priority ({e}); backward may slow "
+                      f"more while it works (Note [worker priority])", UserWarning, stacklevel=2)
 
 
 class OverlappedStep:
@@ -61,7 +89,8 @@ class OverlappedStep:
         groups = optimizer.groups
         # Sub-group i is complete once every bucket meeting it was reduced in the last backward.
         self._meets = {i: sum(1 for _ in layout.buckets_meeting(lo, hi)) for i, (lo, hi) in enumerate(groups)}
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-overlap")
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-overlap",
+                                                             initializer=_below_backward)
         self._tasks: list[concurrent.futures.Future] = []
         self._active = False
         self._left: dict[int, int] = {}

@@ -6,6 +6,8 @@ after backward, stages 2 and 3, cpu and nvme, world sizes 1 and 2."""
 
 import itertools
 import os
+import sys
+import threading
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 import offload
 from offload import _native
+from offload.optim.grad_stats import sum_squares
 from offload.zero import overlap
 
 from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
@@ -117,6 +120,34 @@ def test_frequent_rollbacks_stop_speculation_once_said(tmp_path, monkeypatch):
     assert len([w for w in caught if "rolled back" in str(w.message)]) == 1
     # Four speculated steps, then one try every third step (steps 6, 9, 12, 15): eight in all.
     assert engine.update.speculated_steps == engine.update.rollbacks == 8
+    engine.close()
+
+
+def _nice_of_threads() -> dict[int, int]:
+    """Every thread of this process -> its nice value (field 19 of /proc's stat)."""
+    nices = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return nices
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
+def test_the_worker_and_its_adam_threads_run_below_backward(tmp_path):
+    """Note [worker priority]: the worker, and the OpenMP threads it starts for
+    the CPU Adam, run WORKER_NICE below the thread that computes backward."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    engine = _train(_config(tmp_path, 2, "cpu", 1, 1e6, True), 1)
+    assert engine.update.kept >= STEPS * 3  # the worker stepped sub-groups
+    (worker,) = engine.update._worker._threads
+    lowered = min(19, base + overlap.WORKER_NICE)
+    nices = _nice_of_threads()
+    assert nices[worker.native_id] == lowered
+    assert nices[threading.get_native_id()] == base
+    # A pass large enough for a team of two, started on the worker: its OpenMP thread inherits the worker's nice.
+    engine.update._worker.submit(sum_squares, torch.ones(1 << 22), 2).result()
+    started_there = {tid: nice for tid, nice in _nice_of_threads().items() if tid not in nices}
+    assert len(started_there) >= 1 and set(started_there.values()) == {lowered}, started_there
     engine.close()
 
 

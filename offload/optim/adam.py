@@ -107,24 +107,25 @@ def adam_step(
 def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
     codes = isinstance(exp_avg, BlockCodes)
     require(codes == isinstance(exp_avg_sq, BlockCodes), "exp_avg and exp_avg_sq must both be BlockCodes or both tensors")
-    named = {"param": param, "grad": grad}
+    require(isinstance(param, torch.Tensor), f"param must be a torch.Tensor, got {type(param).__name__}")
+    n = param.numel()
+    per_element = f"param has {n}"
+    per_block = f"param's {n} need {blocks(n)}, one a block"
+    named = {"param": (param, n, per_element), "grad": (grad, n, per_element)}  # name -> (tensor, elements, why)
     if codes:
-        named.update({"exp_avg": exp_avg.codes, "exp_avg_sq": exp_avg_sq.codes,
-                      "exp_avg scales": exp_avg.scales, "exp_avg_sq scales": exp_avg_sq.scales})
+        named.update({"exp_avg": (exp_avg.codes, n, per_element), "exp_avg_sq": (exp_avg_sq.codes, n, per_element),
+                      "exp_avg scales": (exp_avg.scales, blocks(n), per_block),
+                      "exp_avg_sq scales": (exp_avg_sq.scales, blocks(n), per_block)})
     else:
-        named.update({"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+        named.update({"exp_avg": (exp_avg, n, per_element), "exp_avg_sq": (exp_avg_sq, n, per_element)})
     if out is not None:
-        named["out"] = out
-    for name, t in named.items():
+        named["out"] = (out, n, per_element)
+    for name, (t, numel, why) in named.items():
         require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
         require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")
         require(t.layout == torch.strided, f"{name} has layout {t.layout}; the CPU Adam takes dense tensors")
         require(t.is_contiguous(), f"{name} is not contiguous; pass a contiguous tensor (the kernel never works on a silent copy)")
-        if name.endswith("scales"):
-            require(t.numel() == blocks(param.numel()),
-                    f"{name} has {t.numel()} elements but param's {param.numel()} need {blocks(param.numel())}, one a block")
-        else:
-            require(t.numel() == param.numel(), f"{name} has {t.numel()} elements but param has {param.numel()}")
+        require(t.numel() == numel, f"{name} has {t.numel()} elements but {why}")
     require(param.dtype in MASTER_DTYPES, f"param must be float32 or bfloat16, got {param.dtype}")
     if codes:
         require(exp_avg.codes.dtype == exp_avg_sq.codes.dtype == torch.uint8
@@ -135,7 +136,7 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
                 f"exp_avg and exp_avg_sq must both be float32 or both bfloat16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     require(grad.dtype in _DTYPE_CODES, f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
     require(out is None or out.dtype in _OUT_DTYPES, f"out must be bfloat16 or float16, got {getattr(out, 'dtype', None)}")
-    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in named.items()]
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, (t, _, _) in named.items()]
     for i, (name_a, begin_a, end_a) in enumerate(spans):
         for name_b, begin_b, end_b in spans[i + 1:]:
             require(

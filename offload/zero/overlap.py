@@ -39,8 +39,9 @@ at the same priority preempts a member of their team, whose barrier then
 waits for it, so backward slowed by more than the worker's work. At a lower
 priority the worker takes the cycles backward leaves (its serial stretches,
 the waits of its team) and ``step()`` waits for whatever is left, which then
-runs alone. With a GPU computing backward, the host threads that launch its
-kernels come first in the same way. Measured with ``offload bench step``
+has the cores, unless other processes keep them busy: it competes with those
+at the lower priority too. With a GPU computing backward, the host threads
+that launch its kernels come first in the same way. Measured with ``offload bench step``
 (benchmarks/RESULTS.md, "The overlapped step's worker at a lower priority").
 """
 

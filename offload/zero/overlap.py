@@ -41,8 +41,9 @@ priority the worker takes the cycles backward leaves (its serial stretches,
 the waits of its team) and ``step()`` waits for whatever is left, which then
 has the cores, unless other processes keep them busy: it competes with those
 at the lower priority too. With a GPU computing backward, the host threads
-that launch its kernels come first in the same way. Measured with ``offload bench step``
-(benchmarks/RESULTS.md, "The overlapped step's worker at a lower priority").
+that launch its kernels come first in the same way. Measured with
+``offload bench step`` (benchmarks/RESULTS.md, "The overlapped step's worker
+at a lower priority").
 """
 
 from __future__ import annotations

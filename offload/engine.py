@@ -370,13 +370,14 @@ class Engine:
 
     def disk_traffic(self) -> DiskTraffic:
         """Bytes read and written so far by this rank's swap files (optimizer state, gradients, weights)."""
-        self.update.wait(self.times)  # the optimizer's store is the worker's while a step is in flight
+        self.update.idle(self.times)  # the optimizer's store is the worker's while a step is in flight
         return self.weights.traffic() + self.gradient.traffic() + self.optimizer.traffic()
 
     def memory_report(self) -> MemoryReport:
         """Bytes per tier for weights, gradients and optimizer state, current and
-        peak. Waits for a delayed update in flight (its worker uses the store)."""
-        self.update.wait(self.times)
+        peak. Waits for a delayed update or an overlapped step's worker (they
+        use the store); what they hold is reported, not undone."""
+        self.update.idle(self.times)
         report = MemoryReport()
         for part in (self.weights, self.reducer, self.gradient, self.optimizer, self.update):
             part.memory(report)

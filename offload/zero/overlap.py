@@ -28,8 +28,8 @@ stops, once said, and is tried again every ``RETRY_EVERY`` steps.
 
 Threads: during backward the worker alone uses the optimizer and its store;
 the main thread hands it gradient parts and waits for it in ``step()``, or
-before it reads the state between backward and ``step()`` (a state dict, a
-report), which undoes the speculation.
+before it reads the state between backward and ``step()`` (a state dict),
+which undoes the speculation, or reads only counters (a report), which does not.
 
 Note [worker priority]
 On Linux the worker runs at nice ``WORKER_NICE`` above the process (the
@@ -255,6 +255,11 @@ class OverlappedStep:
         if self._stepped:
             self._roll_back()
             self._recycle()
+
+    def idle(self, times: PhaseTimes) -> None:
+        """A report reads the store's counters: the worker must be done, but the
+        speculated sub-groups stand, so reporting costs the step nothing."""
+        self._join()
 
     def finish(self, times: PhaseTimes) -> None:
         self._join()

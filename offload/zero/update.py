@@ -57,6 +57,11 @@ class _AfterBackward:
     def discard(self, step: int) -> None:
         """The step is skipped (fp16 overflow)."""
 
+    def idle(self, times: PhaseTimes) -> None:
+        """Wait until no worker uses the optimizer and its store, changing
+        nothing they hold: the caller only reads their counters (a report)."""
+        self.wait(times)
+
     def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
         """Seconds of optimizer work the last step cost, wherever it ran; the
         main thread spent ``step_seconds`` in ``step()`` (for offload bench step)."""

@@ -108,6 +108,25 @@ def test_a_state_dict_between_backward_and_step_sees_the_state_before_the_step(t
         engine.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_report_between_backward_and_step_keeps_the_speculation(tmp_path, device):
+    """A report only reads counters: the worker is waited for, but what it
+    stepped stands, and the step is still bitwise the plain one."""
+    engines = [offload.initialize(make_model(), _config(tmp_path, 2, device, 1, 1e6, overlap_step))
+               for overlap_step in (False, True)]
+    for step in range(3):
+        for engine in engines:
+            engine.backward(engine(batch(step, 0, 0)))
+            engine.memory_report()
+            engine.disk_traffic()
+            engine.step()
+    plain, over = (engine.state_dict() for engine in engines)
+    assert all(torch.equal(over[k], plain[k]) for k in plain)
+    assert engines[1].update.rollbacks == 0 and engines[1].update.kept >= 3 * 3
+    for engine in engines:
+        engine.close()
+
+
 def test_frequent_rollbacks_stop_speculation_once_said(tmp_path, monkeypatch):
     monkeypatch.setattr(overlap, "WINDOW", 4)
     monkeypatch.setattr(overlap, "RETRY_EVERY", 3)

@@ -118,7 +118,7 @@ class Engine:
             self.optimizer.finish_master()
             model.to(self.device, self.dtype)
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, offload.delayed_update,
-                                             self.transfer)
+                                             self.transfer, holds_master=self.optimizer.master_in_weights)
         self.reducer.install()
         self.scaler = LossScaler(config.fp16)
         if offload.delayed_update:
@@ -285,7 +285,7 @@ class Engine:
         update in flight is waited for, not published (Note [delayed parameter update])."""
         self.update.wait(self.times)
         self.optimizer.flush()
-        mine = self.optimizer.read_master_ranges(owned_ranges(self.layout, self.rank))
+        mine = self.optimizer.read_master_ranges(owned_ranges(self.layout, self.rank), self.weights)
         return assemble(self.layout, {self.rank: mine}, comm.broadcast, self._comm_device, self.transfer.host_copy)
 
     def _keys(self) -> Callable[[Slot], list[str]]:
@@ -359,7 +359,7 @@ class Engine:
         self.scaler.load_state_dict(state.loss_scaler)
 
     def shard_state(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        return self.optimizer.state_chunks()
+        return self.optimizer.state_chunks(self.weights)
 
     def load_shard_state(self, fill: Callable[[torch.Tensor], None], optimizer_steps: int) -> None:
         self.weights.begin_publish()

@@ -38,7 +38,9 @@ with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
                  fills while the other is applied)
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
-                 gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
+                 gradient copy, m, v); o counts a bf16 master only at stage
+                 3 (at stages 1-2 it is the staging copy, Note [master in
+                 the weights]); cpu: o*n host; nvme: o*n disk plus
                  pool(o*s, buffer_count); with overlap_step, buffer_count
                  sub-groups' new weights in a 2-byte d (d*s each, host), and
                  on cpu their state copies (o*s each), on nvme as many more
@@ -171,7 +173,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
-    o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype).bytes_per_element
+    o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
+                          replicated_weights=setup.stage < 3).bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)

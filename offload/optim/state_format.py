@@ -13,6 +13,12 @@ with the two moments' block scales (fp32, one per 2048 elements each, so
 every part after them stays aligned), then the master, then one byte per
 element for each moment: 6.004 bytes per element, or 4.004 with a bf16 master.
 
+With a bf16 master at stages 1 and 2 the buffer holds no master at all
+(``master_in_weights``): the master is the compute weights' host copy of the
+owned shard, which the kernel updates in place (Note [master in the
+weights], zero/weights.py). Then the moments alone are stored: 8, 4 or 2.004
+bytes per element.
+
 Checkpoints hold the state in fp32 whatever the format (``decode``), so a run
 may resume with another format. Resuming with the same one is bitwise: a
 bf16 value widened to fp32 and rounded back is itself, and so is a block of
@@ -38,10 +44,18 @@ Moment = torch.Tensor | BlockCodes
 class StateFormat:
     moment_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
+    master_in_weights: bool = False  # the buffer holds the moments only
 
     @staticmethod
-    def named(moments: str, master: str = "float32") -> StateFormat:
-        return StateFormat(STATE_DTYPES[moments], MASTER_DTYPES[master])
+    def named(moments: str, master: str = "float32", replicated_weights: bool = False) -> StateFormat:
+        """``replicated_weights``: stages 1 and 2, where a bf16 master is the
+        weights' own host copy and so is not stored here."""
+        master_dtype = MASTER_DTYPES[master]
+        return StateFormat(STATE_DTYPES[moments], master_dtype, replicated_weights and master_dtype == torch.bfloat16)
+
+    @property
+    def _master_bytes(self) -> int:
+        return 0 if self.master_in_weights else self.master_dtype.itemsize
 
     @property
     def codes(self) -> bool:
@@ -50,24 +64,30 @@ class StateFormat:
     @property
     def bytes_per_element(self) -> float:
         """Bytes per element of a long sub-group (block scales included)."""
-        return self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize + (8 / 2048 if self.codes else 0)
+        return self._master_bytes + 2 * self.moment_dtype.itemsize + (8 / 2048 if self.codes else 0)
 
     @property
     def all_fp32(self) -> bool:
-        return self.master_dtype == self.moment_dtype == torch.float32
+        return self.master_dtype == self.moment_dtype == torch.float32 and not self.master_in_weights
 
     def _scale_bytes(self, n: int) -> int:
         return 2 * 4 * blocks(n) if self.codes else 0
 
     def nbytes(self, n: int) -> int:
-        return self._scale_bytes(n) + (self.master_dtype.itemsize + 2 * self.moment_dtype.itemsize) * n
+        return self._scale_bytes(n) + (self._master_bytes + 2 * self.moment_dtype.itemsize) * n
 
-    def views(self, buffer: torch.Tensor, n: int) -> tuple[torch.Tensor, Moment, Moment]:
+    def views(self, buffer: torch.Tensor, n: int, master: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, Moment, Moment]:
         """(master, exp_avg, exp_avg_sq) of a sub-group's uint8 ``buffer`` of ``nbytes(n)``;
-        the moments are ``BlockCodes`` when the format is int8."""
+        the moments are ``BlockCodes`` when the format is int8. ``master``: the
+        sub-group's master when it is in the weights (and only then)."""
+        if (master is None) == self.master_in_weights:
+            raise ValueError(f"a master tensor is given exactly when the master is in the weights "
+                             f"(master_in_weights={self.master_in_weights})")
         s = self._scale_bytes(n)
-        w, m = s + self.master_dtype.itemsize * n, self.moment_dtype.itemsize * n
-        master = buffer[s:w].view(self.master_dtype)
+        w, m = s + self._master_bytes * n, self.moment_dtype.itemsize * n
+        if master is None:
+            master = buffer[s:w].view(self.master_dtype)
         exp_avg, exp_avg_sq = buffer[w : w + m].view(self.moment_dtype), buffer[w + m : w + 2 * m].view(self.moment_dtype)
         if not self.codes:
             return master, exp_avg, exp_avg_sq
@@ -77,28 +97,33 @@ class StateFormat:
     def blank(self, n: int) -> torch.Tensor:
         return torch.zeros(self.nbytes(n), dtype=torch.uint8)
 
-    def decode(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
+    def decode(self, buffer: torch.Tensor, n: int, master: torch.Tensor | None = None) -> torch.Tensor:
         """The state as [3, n] fp32 (master, exp_avg, exp_avg_sq): a view when
-        the format is fp32, else a new tensor."""
+        the format is fp32, else a new tensor. ``master`` as in ``views``."""
         if self.all_fp32:
             return buffer.view(torch.float32).view(3, n)
-        master, exp_avg, exp_avg_sq = self.views(buffer, n)
+        master, exp_avg, exp_avg_sq = self.views(buffer, n, master)
         if self.codes:
             return torch.stack([master.float(), *decode_moments(exp_avg, exp_avg_sq)])
         return torch.stack([master.float(), exp_avg.float(), exp_avg_sq.float()])
 
-    def fill(self, buffer: torch.Tensor, n: int, fill: Callable[[torch.Tensor], None]) -> None:
+    def fill(self, buffer: torch.Tensor, n: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """``fill(state)`` writes a [3, n] fp32 state; it lands in ``buffer`` in
-        this format, rounded to nearest even where it is bf16 or 8-bit."""
+        this format, rounded to nearest even where it is bf16 or 8-bit. Returns
+        the master: its place in ``buffer``, or when the master is in the
+        weights, the fp32 values for them."""
         if self.all_fp32:
-            fill(buffer.view(torch.float32).view(3, n))
-            return
+            state = buffer.view(torch.float32).view(3, n)
+            fill(state)
+            return state[0]
         state = torch.empty(3, n)
         fill(state)
-        master, exp_avg, exp_avg_sq = self.views(buffer, n)
-        master.copy_(state[0])
+        master, exp_avg, exp_avg_sq = self.views(buffer, n, state[0] if self.master_in_weights else None)
+        if not self.master_in_weights:
+            master.copy_(state[0])
         if self.codes:
             encode_moments(state[1], state[2], exp_avg, exp_avg_sq)
         else:
             exp_avg.copy_(state[1])
             exp_avg_sq.copy_(state[2])
+        return master

@@ -13,7 +13,9 @@ Where the state lives is chosen once, at construction (``make_optimizer``):
 
 Both read the gradient from an ``OwnedGradient`` and hand each sub-group's
 new weights, in the compute dtype, to the weights (``Weights.target`` /
-``accept``); the native kernel writes them in the same pass over memory.
+``accept``); the native kernel writes them in the same pass over memory. A
+bf16 master at stages 1 and 2 is not in the store at all: the kernel updates
+the weights' host copy in place (Note [master in the weights], zero/weights.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ShardOptimizer:
         self.groups = SubGroups.of(numel, config.zero_optimization.sub_group_size)
         self.step_count = 0
         self.times = StepTimes()
+        self.master_in_weights = False  # Note [master in the weights]
 
     @property
     def lr(self) -> float:
@@ -70,9 +73,11 @@ class ShardOptimizer:
         """Takes effect from the next step; the Adam state is unaffected."""
         self.hyper = dataclasses.replace(self.hyper, lr=float(value))  # validates
 
-    def _hand_over(self, weights: Weights, lo: int, hi: int, write: Callable[[torch.Tensor], None]) -> None:
-        """``write(target)`` fills sub-group [lo, hi)'s new weights where the weights want them."""
-        write(weights.target(lo, hi))
+    def _hand_over(self, weights: Weights, lo: int, hi: int, write: Callable[[torch.Tensor], None],
+                   current: bool = False) -> None:
+        """``write(target)`` fills sub-group [lo, hi)'s new weights where the weights
+        want them (``current``: ``target`` holds the weights of now, to update in place)."""
+        write(weights.target(lo, hi, current))
         start = time.perf_counter()
         weights.accept(lo, hi)
         self.times.handover += time.perf_counter() - start
@@ -82,8 +87,8 @@ class ShardOptimizer:
     #   prefetch()                                     the next step's first reads, during backward
     #   step(grad, grad_scale, weights, hyper=None)    one Adam step of the whole shard
     #   flush()                                        wait for write-backs; raise their failures
-    #   read_master_ranges(ranges) -> fp32 host copies
-    #   state_chunks() -> (lo, hi, [3, n] state)       for checkpoints
+    #   read_master_ranges(ranges, weights) -> fp32 host copies
+    #   state_chunks(weights) -> (lo, hi, [3, n] state)  for checkpoints
     #   load_state(fill, step_count, weights)          from checkpoints
     #   memory(report), traffic(), close()
 
@@ -144,11 +149,11 @@ class DeviceOptimizer(ShardOptimizer):
     def flush(self) -> None:
         pass
 
-    def read_master_ranges(self, ranges: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    def read_master_ranges(self, ranges: Iterable[tuple[int, int]], weights: Weights) -> Iterator[torch.Tensor]:
         for lo, hi in ranges:
             yield self.transfer.host_copy(self._master[lo:hi].detach())
 
-    def state_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def state_chunks(self, weights: Weights) -> Iterator[tuple[int, int, torch.Tensor]]:
         moments = self._torch_opt.state.get(self._master)
         for lo, hi in self.groups:
             state = torch.zeros(3, hi - lo)
@@ -197,7 +202,9 @@ class StoreOptimizer(ShardOptimizer):
         buffers = offload.buffer_count + speculated if self.tier == "nvme" else 1
         self.read_ahead = max(1, offload.buffer_count - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
-        self.format = StateFormat.named(config.state_dtype, config.master_dtype)
+        self.format = StateFormat.named(config.state_dtype, config.master_dtype,
+                                        replicated_weights=config.zero_optimization.stage < 3)
+        self.master_in_weights = self.format.master_in_weights
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
             pinned_limit_bytes=pool_bytes([self.format.nbytes(self.groups.largest)], buffers),
@@ -219,22 +226,28 @@ class StoreOptimizer(ShardOptimizer):
         """Adam step ``step`` of sub-group i, whose state is ``buffer``; its new
         weights go to ``target`` in the compute dtype (in the same pass, when
         that is a low precision), or nowhere (None: the caller reads the
-        master). A bf16 master is rounded with the key of (step, i) (Note
-        [stochastic rounding])."""
-        master, exp_avg, exp_avg_sq = self._views(i, buffer)
-        low_precision = target is not None and target.dtype != torch.float32
+        master). With the master in the weights, ``target`` holds it and is
+        updated in place. A bf16 master is rounded with the key of (step, i)
+        (Note [stochastic rounding])."""
+        master, exp_avg, exp_avg_sq = self._views(i, buffer, target if self.master_in_weights else None)
+        separate = target is not None and not self.master_in_weights
+        low_precision = separate and target.dtype != torch.float32
         sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
                   out=target if low_precision else None, threads=self.threads, sr_key=sr_key)
-        if target is not None and not low_precision:
+        if separate and not low_precision:
             target.copy_(master)
 
-    def _views(self, i: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _views(self, i: int, buffer: torch.Tensor, master: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lo, hi = self.groups[i]
-        return self.format.views(buffer, hi - lo)
+        return self.format.views(buffer, hi - lo, master)
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Set master weights [lo, hi). Call in increasing order of ``lo``; then ``finish_master``."""
+        """Set master weights [lo, hi). Call in increasing order of ``lo``; then
+        ``finish_master``. A master in the weights is already there."""
+        if self.master_in_weights:
+            return
         for i, g_lo, a, b in self.groups.meeting(lo, hi):
             if self._open_group != i:
                 self.finish_master()
@@ -289,7 +302,7 @@ class StoreOptimizer(ShardOptimizer):
                 self._adam(i, buffer, g, grad_scale, hyper, self.step_count, target)
                 self.times.adam += time.perf_counter() - start
 
-            self._hand_over(weights, lo, hi, update)
+            self._hand_over(weights, lo, hi, update, current=self.master_in_weights)
             grad.done(i)
             self.store.release([self._key(i)], dirty=True)
             if not self.pipeline_write:
@@ -303,8 +316,9 @@ class StoreOptimizer(ShardOptimizer):
                   backup: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor | None:
         """Sub-group i's Adam step for the step about to be taken (Note [overlapped
         step]). Returns its new weights: ``weights``, filled in a low-precision
-        compute dtype by the kernel's pass, or for fp32 compute (``weights``
-        None) the master itself, which a copy would only duplicate. Until
+        compute dtype by the kernel's pass (or, with the master in the weights,
+        given a copy of it and updated in place), or for fp32 compute
+        (``weights`` None) the master itself, which a copy would only duplicate. Until
         ``settle`` the old state is kept: on nvme in its swap file, the
         sub-group staying resident and unwritten; in host memory, copied first
         into ``backup`` (``backup_nbytes`` bytes; None on nvme). None, with
@@ -336,10 +350,14 @@ class StoreOptimizer(ShardOptimizer):
     def flush(self) -> None:
         self.store.flush()
 
-    def read_master_ranges(self, ranges: Iterable[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    def read_master_ranges(self, ranges: Iterable[tuple[int, int]], weights: Weights) -> Iterator[torch.Tensor]:
         """Master weights of each owned range [lo, hi), fp32 host copies, for
         ranges in increasing order: each sub-group is read once and held only
         while ranges still fall in it."""
+        if self.master_in_weights:
+            for lo, hi in ranges:
+                yield weights.current(lo, hi).float()
+            return
         held: tuple[int, torch.Tensor] | None = None
         try:
             for lo, hi in ranges:
@@ -356,7 +374,7 @@ class StoreOptimizer(ShardOptimizer):
             if held is not None:
                 self.store.release([self._key(held[0])], dirty=False)
 
-    def state_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def state_chunks(self, weights: Weights) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(lo, hi, state) per sub-group, in order: ``state`` is [3, hi - lo] fp32
         on the host (master weights, exp_avg, exp_avg_sq), valid until the next
         item is drawn. Swapped sub-groups are read ahead as in ``step``."""
@@ -364,7 +382,8 @@ class StoreOptimizer(ShardOptimizer):
             self.store.prefetch(self._key(j) for j in range(i + 1, min(len(self.groups), i + 1 + self.read_ahead)))
             (buffer,) = self.store.get([self._key(i)])
             try:
-                yield lo, hi, self.format.decode(buffer, hi - lo)
+                master = weights.current(lo, hi) if self.master_in_weights else None
+                yield lo, hi, self.format.decode(buffer, hi - lo, master)
             finally:
                 self.store.release([self._key(i)], dirty=False)
 
@@ -375,8 +394,7 @@ class StoreOptimizer(ShardOptimizer):
         for i, (lo, hi) in enumerate(self.groups):
             buffer = self.store.get_blank(self._key(i))
             try:
-                self.format.fill(buffer, hi - lo, fill)
-                master = self._views(i, buffer)[0]
+                master = self.format.fill(buffer, hi - lo, fill)
                 self._hand_over(weights, lo, hi, lambda target: target.copy_(master))
             finally:
                 self.store.release([self._key(i)], dirty=True)

@@ -166,8 +166,10 @@ class OverlappedStep:
                 torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
             backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
             state = bases[0][:backup_nbytes] if backup_nbytes else None
-            new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state,
-                                           bases[1][: hi - lo] if low_precision else None)
+            weights = bases[1][: hi - lo] if low_precision else None
+            if self.optimizer.master_in_weights:  # stepped in this copy; the weights stay as they are until kept
+                weights.copy_(self.weights.current(lo, hi))
+            new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights)
             if new is None:
                 self._spare.append(bases)
                 return

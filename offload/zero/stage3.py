@@ -477,9 +477,11 @@ class PartitionedWeights:
                 m.forward_refs = m.backward_refs = 0
                 self._free(m)
 
-    def target(self, lo: int, hi: int) -> torch.Tensor:
+    def target(self, lo: int, hi: int, current: bool = False) -> torch.Tensor:
         """One scratch buffer, reused for every sub-group: each parameter's part is
-        copied out in ``accept``, so no owned-size staging copy is needed."""
+        copied out in ``accept``, so no owned-size staging copy is needed. Never
+        asked for ``current`` weights: stage 3 keeps a separate master (Note
+        [master in the weights])."""
         self._land_uploads()  # the last sub-group's uploads read the scratch buffer
         if self._scratch is None or self._scratch.numel() < hi - lo:
             self._scratch = torch.empty(hi - lo, dtype=self.dtype, **self._publish_on)

@@ -17,6 +17,21 @@ A publish is ``begin_publish``, then for each sub-group [lo, hi) of the owned
 shard ``target(lo, hi)`` (a tensor to write the new weights into, in the
 compute dtype) and ``accept(lo, hi)`` once it is written, then
 ``end_publish``. The optimizer's step and a checkpoint load both publish this way.
+
+Note [master in the weights]
+With a bf16 master (``offload_optimizer.master_dtype``, or DeepSpeed's
+``bf16.bf16_master_weights_and_grads``) the master and the compute weights
+hold the same bits: the kernel writes the weights as the master's copy. At
+stages 1 and 2 the replicated weights keep their own host copy of the owned
+shard anyway (the flat buffer itself when it is host memory and written in
+place, else the staging copy), so that copy is the master: the optimizer's
+store holds only the moments (Note [state format]), the kernel updates the
+copy in place (``target(lo, hi, current=True)``), and nothing is stored
+twice. Saved against a separate master: 2 bytes per element of host memory
+(optimizer on cpu) or of disk, read and written each step (on nvme). Stage
+3 keeps a separate master: its weights sit per parameter in their own tier,
+and a speculated step (Note [overlapped step]) would read them during
+backward, while the main thread's gathers use that store.
 """
 
 from __future__ import annotations
@@ -28,7 +43,7 @@ import torch
 from offload.errors import UsageError
 from offload.report import DiskTraffic, MemoryReport
 from offload.zero import comm
-from offload.zero.layout import FlatLayout
+from offload.zero.layout import Bucket, FlatLayout
 from offload.zero.transfer import Pending, Transfer
 
 
@@ -43,8 +58,14 @@ class Weights(Protocol):
 
     def begin_publish(self) -> None: ...
 
-    def target(self, lo: int, hi: int) -> torch.Tensor:
-        """Where the new weights of owned elements [lo, hi) are to be written."""
+    def target(self, lo: int, hi: int, current: bool = False) -> torch.Tensor:
+        """Where the new weights of owned elements [lo, hi) are to be written;
+        ``current``: holding the weights of now, to update in place (Note
+        [master in the weights]: replicated weights only)."""
+
+    def current(self, lo: int, hi: int) -> torch.Tensor:
+        """The owned weights [lo, hi) as they are now, in host memory, to read
+        (Note [master in the weights]: replicated weights only)."""
 
     def accept(self, lo: int, hi: int) -> None:
         """``target(lo, hi)`` holds the new weights."""
@@ -61,11 +82,12 @@ class Weights(Protocol):
 
 class ReplicatedWeights:
     def __init__(self, layout: FlatLayout, device: torch.device, dtype: torch.dtype, staging_on: dict,
-                 staging_tier: str, delayed: bool, transfer: Transfer) -> None:
+                 staging_tier: str, delayed: bool, transfer: Transfer, holds_master: bool = False) -> None:
         """``staging_on``: where the optimizer writes new weights (device,
         pin_memory), the ``staging_tier`` of the memory report; ``delayed``:
         a delayed update writes them while the model runs, so they reach the
-        model only at ``end_publish``."""
+        model only at ``end_publish``; ``holds_master``: the host copy is the
+        optimizer's master (Note [master in the weights])."""
         self.layout, self.dtype, self.staging_tier, self.delayed = layout, dtype, staging_tier, delayed
         self.transfer = transfer
         self.upload = staging_tier == "host"  # staging in host memory, the weights on the accelerator
@@ -77,6 +99,11 @@ class ReplicatedWeights:
             view.copy_(slot.param.detach().reshape(-1))
             slot.param.data = view.view(slot.shape)
         self.staging = torch.empty(layout.owned, dtype=dtype, **staging_on)
+        self.holds_master = holds_master
+        if holds_master and not self.direct:  # the staging copy is the host copy: it starts as the weights
+            for bucket in layout.buckets:
+                lo, hi = bucket.owned_offset, bucket.owned_offset + bucket.part
+                self.staging[lo:hi].copy_(self.transfer.host_copy(self._flat_part(bucket, lo, hi)))
         self._staged: list[tuple[int, int]] = []  # direct: ranges written to staging, not yet copied in
         self._uploads: list[Pending] = []  # staging -> flat copies of this publish
 
@@ -101,15 +128,29 @@ class ReplicatedWeights:
             pending.release()
         self._uploads = []
 
-    def target(self, lo: int, hi: int) -> torch.Tensor:
+    def _flat_part(self, bucket: Bucket, a: int, b: int) -> torch.Tensor:
+        """Owned elements [a, b), all in ``bucket``'s part for this rank, in the flat buffer."""
+        begin = bucket.part_range(self.layout.rank).start + a - bucket.owned_offset
+        return self.flat[begin : begin + b - a]
+
+    def target(self, lo: int, hi: int, current: bool = False) -> torch.Tensor:
+        """Staging is the weights of now whenever the flat buffer is not written
+        in place; when it is, only the flat buffer is."""
         if self.direct:
             pieces = list(self.layout.buckets_meeting(lo, hi))
             if len(pieces) == 1:  # within one bucket's part: its place in the flat buffer
-                bucket = pieces[0][0]
-                begin = bucket.part_range(self.layout.rank).start + lo - bucket.owned_offset
-                return self.flat[begin : begin + hi - lo]
+                return self._flat_part(*pieces[0])
             self._staged.append((lo, hi))
+            if current:
+                for bucket, a, b in pieces:
+                    self.staging[a:b].copy_(self._flat_part(bucket, a, b))
         return self.staging[lo:hi]
+
+    def current(self, lo: int, hi: int) -> torch.Tensor:
+        if not self.direct:
+            return self.staging[lo:hi]
+        pieces = [self._flat_part(*piece) for piece in self.layout.buckets_meeting(lo, hi)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def accept(self, lo: int, hi: int) -> None:
         """The sub-group's weights head for the model now (its upload overlaps the
@@ -124,8 +165,7 @@ class ReplicatedWeights:
 
     def _copy_in(self, lo: int, hi: int) -> None:
         for bucket, a, b in self.layout.buckets_meeting(lo, hi):
-            begin = bucket.part_range(self.layout.rank).start + a - bucket.owned_offset
-            mine = self.flat[begin : begin + b - a]
+            mine = self._flat_part(bucket, a, b)
             if self.upload:
                 self._uploads.append(self.transfer.to_device(self.staging[a:b], mine))
             else:
@@ -146,7 +186,9 @@ class ReplicatedWeights:
         n = self.flat.numel() * self.flat.element_size()
         report.add("weights", "device", n, n)
         staged = self.staging.numel() * self.staging.element_size()
-        report.add("weights (staging copy)", self.staging_tier, staged, staged)
+        master = self.holds_master and not self.direct  # written in place, the flat buffer is the master
+        name = "weights (staging copy, the bf16 master)" if master else "weights (staging copy)"
+        report.add(name, self.staging_tier, staged, staged)
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic(0, 0)

@@ -183,12 +183,16 @@ class ReplicatedWeights:
                 comm.all_gather(self.flat[bucket.flat_range()], self.flat[bucket.part_range(self.layout.rank)].clone())
 
     def memory(self, report: MemoryReport) -> None:
+        flat_name, staging_name = "weights", "weights (staging copy)"
+        if self.holds_master:  # which copy is the bf16 master (Note [master in the weights])
+            if self.direct:
+                flat_name = "weights (own part: master)"
+            else:
+                staging_name = "weights (staging: master)"
         n = self.flat.numel() * self.flat.element_size()
-        report.add("weights", "device", n, n)
+        report.add(flat_name, "device", n, n)
         staged = self.staging.numel() * self.staging.element_size()
-        master = self.holds_master and not self.direct  # written in place, the flat buffer is the master
-        name = "weights (staging copy, the bf16 master)" if master else "weights (staging copy)"
-        report.add(name, self.staging_tier, staged, staged)
+        report.add(staging_name, self.staging_tier, staged, staged)
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic(0, 0)

@@ -125,6 +125,21 @@ def test_the_state_takes_12_8_6_4_or_2_bytes_per_element(tmp_path):
         assert n <= 4096 and nbytes == HEADER_BYTES + _pages(per_element * n + scales)
 
 
+@pytest.mark.parametrize("master_dtype,delayed,row", [
+    ("bfloat16", False, ("weights (own part: master)", "device")),  # written in place: the flat buffer
+    ("bfloat16", True, ("weights (staging: master)", "host")),  # the delayed update writes the staging copy
+    ("float32", False, ("optimizer state", "host"))])
+def test_the_memory_report_names_the_copy_that_is_the_bf16_master(master_dtype, delayed, row):
+    cfg = config(2, "cpu", 1, bf16={"enabled": True},
+                 offload_optimizer={"master_dtype": master_dtype, "delayed_update": delayed})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = train_engine(make_model(), 2, 1, cfg)
+    with engine:
+        rows = [key for key in engine.memory_report().keys() if "master" in key[0] or key == row]
+        assert rows == [row]
+
+
 def _pages(nbytes: int) -> int:
     return -(-nbytes // 4096) * 4096
 

@@ -101,8 +101,7 @@ def main() -> int:
         _, state_dtype, master_dtype, baseline = FORMATS[name]
         ratio = s["eval_loss_end"] / runs[baseline]["eval_loss_end"] if baseline in runs else float("nan")
         verdict = f"{'within' if abs(ratio - 1) <= BOUND else 'OUTSIDE'} {BOUND:.0%} of {baseline}" if baseline != name else "baseline"
-        stored = StateFormat.named(state_dtype, master_dtype, replicated_weights=True)  # the main job is stage 2
-        print(f"{name:14}{stored.bytes_per_element:>12.3g}"
+        print(f"{name:14}{StateFormat.named(state_dtype, master_dtype).bytes_per_element:>12.3g}"
               f"{s['eval_loss_end']:>15.4f}{ratio:>12.4f}{s['losses'][-1]:>18.4f}  {verdict}")
     path = os.path.join(args.out, "state_formats.png")
     plot(runs, path)

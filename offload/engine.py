@@ -107,7 +107,7 @@ class Engine:
         if zero.stage == 3:
             # After the reducer: its gradient hooks must run before the weights' release hooks.
             self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype, where, tier,
-                                              self.transfer)
+                                              self.transfer, holds_master=self.optimizer.master_in_weights)
             self._partition_stage3(model, init_fn)
         else:
             if is_meta(model):

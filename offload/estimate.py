@@ -18,7 +18,8 @@ without accumulation, else 4: Note [owned gradient dtype]), a accumulation
 steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
 swap files of b bytes be in flight (``store.pool_bytes``), and o the
 optimizer bytes per element off the accelerator (Note [state format]: 12
-with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
+with float32 moments, 8 with bfloat16, 4 with a bfloat16 master too, which
+is the weights' own copy, 6 beside stage 3 weights on nvme):
   weights        stages 1-2: d*P on the accelerator (replicated);
                  stage 3: d*n in the weight tier (with weights on nvme, the
                  first max_in_cpu elements in host memory instead), plus, on
@@ -38,9 +39,7 @@ with float32 moments, 8 with bfloat16, 6 with a bfloat16 master too):
                  fills while the other is applied)
   staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
-                 gradient copy, m, v); o counts a bf16 master only at stage
-                 3 (at stages 1-2 it is the staging copy, Note [master in
-                 the weights]); cpu: o*n host; nvme: o*n disk plus
+                 gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
                  pool(o*s, buffer_count); with overlap_step, buffer_count
                  sub-groups' new weights in a 2-byte d (d*s each, host), and
                  on cpu their state copies (o*s each), on nvme as many more
@@ -173,8 +172,9 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
-    o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
-                          replicated_weights=setup.stage < 3).bytes_per_element
+    state_format = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
+                                     weights_in_swap=setup.stage == 3 and setup.weights == "nvme")
+    o = state_format.bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)
@@ -235,6 +235,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
             pcie += 2 * a * d * n  # forward and backward gathers page the local part up
         if offloaded != (setup.weights != "none"):
             pcie += d * n  # new weights cross once, between the optimizer's tier and the weights'
+        if offloaded and setup.weights == "none" and state_format.master_in_weights:
+            pcie += d * n  # and the bf16 master they are comes down once, to the optimizer
     read = written = 0.0
     if setup.optimizer == "nvme":
         read += o * n

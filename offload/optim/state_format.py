@@ -2,22 +2,23 @@
 
 Note [state format]
 A sub-group of n elements is one flat byte buffer: the master weights (n of
-``offload_optimizer.master_dtype``), then exp_avg, then exp_avg_sq (n each of
-``offload_optimizer.state_dtype``): 12 bytes per element with everything in
-float32, 8 with bf16 moments, 6 with a bf16 master too. The kernel reads
-and writes each in its dtype (Note [bit-identical Adam]); a bf16 master is
-rounded stochastically (Note [stochastic rounding]).
+float32, or in one case bfloat16, below), then exp_avg, then exp_avg_sq (n
+each of ``offload_optimizer.state_dtype``): 12 bytes per element with
+everything in float32, 8 with bf16 moments. The kernel reads and writes each
+in its dtype (Note [bit-identical Adam]).
 
 With 8-bit moments (state_dtype int8, Note [8-bit moments]) the buffer opens
 with the two moments' block scales (fp32, one per 2048 elements each, so
 every part after them stays aligned), then the master, then one byte per
-element for each moment: 6.004 bytes per element, or 4.004 with a bf16 master.
+element for each moment: 6.004 bytes per element.
 
-With a bf16 master at stages 1 and 2 the buffer holds no master at all
-(``master_in_weights``): the master is the compute weights' host copy of the
-owned shard, which the kernel updates in place (Note [master in the
-weights], zero/weights.py). Then the moments alone are stored: 8, 4 or 2.004
-bytes per element.
+A bf16 master (``offload_optimizer.master_dtype``) is rounded
+stochastically (Note [stochastic rounding]). It is not in the buffer at all
+(``master_in_weights``) but the compute weights' own copy of the owned
+shard, which the kernel updates in place (Note [master in the weights],
+zero/weights.py): the moments alone are stored, 4 or 2.004 bytes per
+element. Only stage 3 weights in swap files keep it here, after the scales
+and before the moments: 6 or 4.004 bytes per element.
 
 Checkpoints hold the state in fp32 whatever the format (``decode``), so a run
 may resume with another format. Resuming with the same one is bitwise: a
@@ -47,11 +48,12 @@ class StateFormat:
     master_in_weights: bool = False  # the buffer holds the moments only
 
     @staticmethod
-    def named(moments: str, master: str = "float32", replicated_weights: bool = False) -> StateFormat:
-        """``replicated_weights``: stages 1 and 2, where a bf16 master is the
-        weights' own host copy and so is not stored here."""
+    def named(moments: str, master: str = "float32", weights_in_swap: bool = False) -> StateFormat:
+        """``weights_in_swap``: stage 3 weights on nvme, which keep a bf16 master
+        here (Note [master in the weights])."""
         master_dtype = MASTER_DTYPES[master]
-        return StateFormat(STATE_DTYPES[moments], master_dtype, replicated_weights and master_dtype == torch.bfloat16)
+        return StateFormat(STATE_DTYPES[moments], master_dtype,
+                           master_in_weights=master_dtype == torch.bfloat16 and not weights_in_swap)
 
     @property
     def _master_bytes(self) -> int:

@@ -14,8 +14,9 @@ Where the state lives is chosen once, at construction (``make_optimizer``):
 Both read the gradient from an ``OwnedGradient`` and hand each sub-group's
 new weights, in the compute dtype, to the weights (``Weights.target`` /
 ``accept``); the native kernel writes them in the same pass over memory. A
-bf16 master at stages 1 and 2 is not in the store at all: the kernel updates
-the weights' host copy in place (Note [master in the weights], zero/weights.py).
+bf16 master is, but for stage 3 weights in swap files, not in the store at
+all: the kernel updates the weights' own copy in place (Note [master in the
+weights], zero/weights.py).
 """
 
 from __future__ import annotations
@@ -202,8 +203,9 @@ class StoreOptimizer(ShardOptimizer):
         buffers = offload.buffer_count + speculated if self.tier == "nvme" else 1
         self.read_ahead = max(1, offload.buffer_count - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
+        zero = config.zero_optimization
         self.format = StateFormat.named(config.state_dtype, config.master_dtype,
-                                        replicated_weights=config.zero_optimization.stage < 3)
+                                        weights_in_swap=zero.stage == 3 and zero.offload_param.device == "nvme")
         self.master_in_weights = self.format.master_in_weights
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,

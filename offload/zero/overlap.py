@@ -134,14 +134,28 @@ class OverlappedStep:
             if self._left[i] == 0:
                 g_lo, g_hi = self.optimizer.groups[i]
                 landing = self.gradient.take_landing(g_lo, g_hi)
-                speculate = self._speculating and len(self._tasks) < self.budget
-                self._tasks.append(self._worker.submit(self._complete, i, landing, speculate))
+                bases = self._bases_for(g_lo, g_hi) if self._speculating and len(self._tasks) < self.budget else None
+                self._tasks.append(self._worker.submit(self._complete, i, landing, bases))
 
-    def _complete(self, i: int, landing: list, speculate: bool) -> None:
-        """Worker: sub-group i's gradient lands, its squares are summed, and maybe its step taken."""
+    def _bases_for(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for a speculated sub-group [lo, hi): its state's copy (cpu) and
+        its new low-precision weights. With the master in the weights, those
+        start as a copy of it, read here (the weights' tier is this thread's),
+        and are stepped in place: the weights stay as they are until kept."""
+        largest, low_precision = self.optimizer.groups.largest, self.weights.dtype != torch.float32
+        bases = self._spare.pop() if self._spare else (
+            torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
+            torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
+        if self.optimizer.master_in_weights:
+            bases[1][: hi - lo].copy_(self.weights.current(lo, hi))
+        return bases
+
+    def _complete(self, i: int, landing: list, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Worker: sub-group i's gradient lands, its squares are summed, and, given
+        ``bases``, its step is taken."""
         start = time.perf_counter()
         try:
-            self._take(i, landing, speculate)
+            self._take(i, landing, bases)
         finally:
             self.worker_seconds += time.perf_counter() - start
 
@@ -151,24 +165,18 @@ class OverlappedStep:
         if self._speculating:
             self.optimizer.prefetch(list(range(self._next, max(-1, self._next - self.optimizer.read_ahead), -1)))
 
-    def _take(self, i: int, landing: list, speculate: bool) -> None:
+    def _take(self, i: int, landing: list, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self._next = min(self._next, i - 1)
-        if speculate:
+        if bases is not None:
             self._read_next()
         self.gradient.apply_landing(landing)
         lo, hi = self.optimizer.groups[i]
         grad = self.gradient.tensor[lo:hi]
         self._sums[i] = sum_squares(grad)
-        if speculate:
-            largest, low_precision = self.optimizer.groups.largest, self.weights.dtype != torch.float32
-            bases = self._spare.pop() if self._spare else (
-                torch.empty(self.optimizer.backup_nbytes(largest), dtype=torch.uint8),
-                torch.empty(largest if low_precision else 0, dtype=self.weights.dtype))
+        if bases is not None:
             backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
             state = bases[0][:backup_nbytes] if backup_nbytes else None
-            weights = bases[1][: hi - lo] if low_precision else None
-            if self.optimizer.master_in_weights:  # stepped in this copy; the weights stay as they are until kept
-                weights.copy_(self.weights.current(lo, hi))
+            weights = bases[1][: hi - lo] if self.weights.dtype != torch.float32 else None
             new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights)
             if new is None:
                 self._spare.append(bases)

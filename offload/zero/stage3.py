@@ -134,9 +134,12 @@ def _say_what_stays_in_cpu(layout: FlatLayout, in_cpu: int, max_in_cpu: int) -> 
 
 class PartitionedWeights:
     def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
-                 dtype: torch.dtype, publish_on: dict, publish_tier: str, transfer: Transfer) -> None:
+                 dtype: torch.dtype, publish_on: dict, publish_tier: str, transfer: Transfer,
+                 holds_master: bool = False) -> None:
         """``publish_on``: where the optimizer hands over new weights (device,
-        pin_memory), the ``publish_tier`` of the memory report."""
+        pin_memory), the ``publish_tier`` of the memory report; ``holds_master``:
+        the parts are the optimizer's master (Note [master in the weights])."""
+        self.partition_name = "weights (partition: master)" if holds_master else "weights (partition)"
         zero = config.zero_optimization
         param_cfg = zero.offload_param
         self.layout, self.device, self.dtype = layout, device, dtype
@@ -479,13 +482,32 @@ class PartitionedWeights:
 
     def target(self, lo: int, hi: int, current: bool = False) -> torch.Tensor:
         """One scratch buffer, reused for every sub-group: each parameter's part is
-        copied out in ``accept``, so no owned-size staging copy is needed. Never
-        asked for ``current`` weights: stage 3 keeps a separate master (Note
-        [master in the weights])."""
+        copied out in ``accept``, so no owned-size staging copy is needed."""
         self._land_uploads()  # the last sub-group's uploads read the scratch buffer
         if self._scratch is None or self._scratch.numel() < hi - lo:
             self._scratch = torch.empty(hi - lo, dtype=self.dtype, **self._publish_on)
+        if current:
+            self._read_current(lo, hi, self._scratch[: hi - lo])
         return self._scratch[: hi - lo]
+
+    def current(self, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=self.dtype)
+        self._read_current(lo, hi, out)
+        return out
+
+    def _read_current(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Owned weights [lo, hi) into host tensor ``out``, from each parameter's
+        part in host memory or on the accelerator (weights in swap files keep a
+        separate master: Note [master in the weights]). A parameter split
+        between sub-groups is read for each: ``accept`` writes it to its tier
+        only once complete, so its part not stepped yet is there as it was."""
+        for bucket, a, b in self.layout.buckets_meeting(lo, hi):
+            m, start = self._managed[bucket.slots[0].param], bucket.owned_offset
+            if m.tier == "none":
+                out[a - lo : b - lo].copy_(self.transfer.host_copy(self._shards[m.key][a - start : b - start]))
+            else:
+                (part,) = self.store.get([m.key])  # host memory: nothing to read, nothing to release
+                out[a - lo : b - lo].copy_(part[a - start : b - start])
 
     def accept(self, lo: int, hi: int) -> None:
         """Each parameter's part is written to its tier once complete (a sub-group may
@@ -531,12 +553,12 @@ class PartitionedWeights:
             report.add("weights (handover buffer)", self._publish_tier, n, n)
         if self.tier == "none":
             shard_bytes = sum(b.part for b in self.layout.buckets) * element
-            report.add("weights (partition)", "device", shard_bytes, shard_bytes)
+            report.add(self.partition_name, "device", shard_bytes, shard_bytes)
             return
         stats = self.store.stats()
         for tier, name in ((Tier.CPU, "host"), (Tier.NVME, "nvme")):
             if stats[tier.value]["peak_bytes"]:
-                report.add("weights (partition)", name, stats[tier.value]["bytes"], stats[tier.value]["peak_bytes"])
+                report.add(self.partition_name, name, stats[tier.value]["bytes"], stats[tier.value]["peak_bytes"])
         report.add("weights (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
 
     def traffic(self) -> DiskTraffic:

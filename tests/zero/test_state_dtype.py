@@ -12,8 +12,8 @@ Adam's moments in 8 bits (state_dtype int8, Note [8-bit moments]): within
 8-bit noise of AdamW, the stored moments are exactly codes.
 
 The state takes 12, 8, 6, 4 or 2 bytes per element (plus the 8-bit codes'
-block scales), in memory and on disk, a bf16 master counting only at stage 3;
-checkpoints resume bitwise and move between formats."""
+block scales), in memory and on disk, a bf16 master being the weights' own
+copy; checkpoints resume bitwise and move between formats."""
 
 import json
 import os
@@ -92,11 +92,13 @@ def test_deepspeeds_key_means_the_same():
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def _optimizer_bytes(tmp_path, stage: int, device: str, state_dtype: str, master_dtype: str) -> tuple[int, int]:
+def _optimizer_bytes(tmp_path, stage: int, device: str, state_dtype: str, master_dtype: str,
+                     param_device: str = "cpu") -> tuple[int, int]:
     """Bytes of optimizer state, in host memory (cpu) or in its swap files
     (nvme), and the elements they hold (the owned shard, padded)."""
-    cfg = config(stage, device, 1, str(tmp_path) if device == "nvme" else None, bf16={"enabled": True},
-                 param_device="cpu" if stage == 3 else None,
+    nvme = "nvme" in (device, param_device if stage == 3 else None)
+    cfg = config(stage, device, 1, str(tmp_path) if nvme else None, bf16={"enabled": True},
+                 param_device=param_device if stage == 3 else None,
                  offload_optimizer={"state_dtype": state_dtype, "master_dtype": master_dtype})
     cfg["zero_optimization"]["sub_group_size"] = 4096
     with warnings.catch_warnings():
@@ -111,26 +113,28 @@ def _optimizer_bytes(tmp_path, stage: int, device: str, state_dtype: str, master
 
 
 def test_the_state_takes_12_8_6_4_or_2_bytes_per_element(tmp_path):
-    """A bf16 master is stored only at stage 3: at stage 2 it is the weights'
-    own host copy (Note [master in the weights])."""
-    for stage, state_dtype, master_dtype, per_element in (
-            (2, "float32", "float32", 12), (2, "bfloat16", "float32", 8), (2, "bfloat16", "bfloat16", 4),
-            (3, "bfloat16", "bfloat16", 6), (2, "int8", "float32", 6), (2, "int8", "bfloat16", 2),
-            (3, "int8", "bfloat16", 4)):
-        nbytes, n = _optimizer_bytes(tmp_path, stage, "cpu", state_dtype, master_dtype)
+    """A bf16 master is not stored with the moments: it is the weights' own
+    copy, but for stage 3 weights on nvme (Note [master in the weights])."""
+    for stage, param_device, state_dtype, master_dtype, per_element in (
+            (2, None, "float32", "float32", 12), (2, None, "bfloat16", "float32", 8),
+            (2, None, "bfloat16", "bfloat16", 4), (3, "cpu", "bfloat16", "bfloat16", 4),
+            (3, "nvme", "bfloat16", "bfloat16", 6), (2, None, "int8", "float32", 6),
+            (2, None, "int8", "bfloat16", 2), (3, "cpu", "int8", "bfloat16", 2), (3, "nvme", "int8", "bfloat16", 4)):
+        nbytes, n = _optimizer_bytes(tmp_path, stage, "cpu", state_dtype, master_dtype, param_device)
         scales = 2 * 4 * blocks(n) if state_dtype == "int8" else 0  # sub-groups of 4096: two blocks
         assert nbytes == per_element * n + scales
         # One sub-group, one swap file: a header page, then the state padded to whole pages.
-        nbytes, n = _optimizer_bytes(tmp_path, stage, "nvme", state_dtype, master_dtype)
+        nbytes, n = _optimizer_bytes(tmp_path, stage, "nvme", state_dtype, master_dtype, param_device)
         assert n <= 4096 and nbytes == HEADER_BYTES + _pages(per_element * n + scales)
 
 
-@pytest.mark.parametrize("master_dtype,delayed,row", [
-    ("bfloat16", False, ("weights (own part: master)", "device")),  # written in place: the flat buffer
-    ("bfloat16", True, ("weights (staging: master)", "host")),  # the delayed update writes the staging copy
-    ("float32", False, ("optimizer state", "host"))])
-def test_the_memory_report_names_the_copy_that_is_the_bf16_master(master_dtype, delayed, row):
-    cfg = config(2, "cpu", 1, bf16={"enabled": True},
+@pytest.mark.parametrize("stage,master_dtype,delayed,row", [
+    (2, "bfloat16", False, ("weights (own part: master)", "device")),  # written in place: the flat buffer
+    (2, "bfloat16", True, ("weights (staging: master)", "host")),  # the delayed update writes the staging copy
+    (3, "bfloat16", False, ("weights (partition: master)", "host")),
+    (2, "float32", False, ("optimizer state", "host"))])
+def test_the_memory_report_names_the_copy_that_is_the_bf16_master(stage, master_dtype, delayed, row):
+    cfg = config(stage, "cpu", 1, bf16={"enabled": True}, param_device="cpu" if stage == 3 else None,
                  offload_optimizer={"master_dtype": master_dtype, "delayed_update": delayed})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -160,8 +164,10 @@ def _optimizer_state(engine) -> list[torch.Tensor]:
                          [(2, "nvme", None, "float32", "bfloat16"), (3, "nvme", "nvme", "float32", "bfloat16"),
                           (3, "nvme", "nvme", "bfloat16", "bfloat16"), (2, "nvme", None, "float32", "int8"),
                           (3, "nvme", "nvme", "bfloat16", "int8"),
-                          # the master in the weights: their staging copy (nvme), the flat buffer itself (cpu)
-                          (2, "nvme", None, "bfloat16", "int8"), (2, "cpu", None, "bfloat16", "bfloat16")])
+                          # the master in the weights: their staging copy (nvme), the flat buffer itself (cpu),
+                          # stage 3's parts in host memory
+                          (2, "nvme", None, "bfloat16", "int8"), (2, "cpu", None, "bfloat16", "bfloat16"),
+                          (3, "nvme", "cpu", "bfloat16", "int8")])
 def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stage, device, param_device, master_dtype,
                                                                   state_dtype):
     cfg = _config(stage, device, param_device, str(tmp_path / "nvme"), bf16=True, master_dtype=master_dtype,
@@ -182,15 +188,16 @@ def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stag
         assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(engine), saved, strict=True))
 
 
-@pytest.mark.parametrize("device,master_dtype,state_dtype,clip",
-                         [("nvme", "float32", "bfloat16", 1e6), ("nvme", "bfloat16", "bfloat16", 1e6),
-                          ("nvme", "float32", "int8", 1e6), ("cpu", "bfloat16", "bfloat16", 1e6),
-                          ("cpu", "bfloat16", "bfloat16", 0.5)])
-def test_the_overlapped_step_is_bitwise_the_plain_one(tmp_path, device, master_dtype, state_dtype, clip):
+@pytest.mark.parametrize("stage,device,master_dtype,state_dtype,clip",
+                         [(2, "nvme", "float32", "bfloat16", 1e6), (2, "nvme", "bfloat16", "bfloat16", 1e6),
+                          (2, "nvme", "float32", "int8", 1e6), (2, "cpu", "bfloat16", "bfloat16", 1e6),
+                          (2, "cpu", "bfloat16", "bfloat16", 0.5), (3, "nvme", "bfloat16", "int8", 1e6),
+                          (3, "cpu", "bfloat16", "int8", 1e6), (3, "cpu", "bfloat16", "bfloat16", 0.5)])
+def test_the_overlapped_step_is_bitwise_the_plain_one(tmp_path, stage, device, master_dtype, state_dtype, clip):
     states = []
     for overlap in (False, True):
-        cfg = _config(2, device, None, str(tmp_path), accumulation=1, bf16=True, overlap_step=overlap,
-                      buffer_count=8, master_dtype=master_dtype, state_dtype=state_dtype)
+        cfg = _config(stage, device, device if stage == 3 else None, str(tmp_path), accumulation=1, bf16=True,
+                      overlap_step=overlap, buffer_count=8, master_dtype=master_dtype, state_dtype=state_dtype)
         cfg["zero_optimization"]["reduce_bucket_size"] = 700
         cfg["gradient_clipping"] = clip  # 0.5 binds: every speculated step rolls back
         with train_engine(make_model(), 6, 1, cfg) as engine:
@@ -223,7 +230,7 @@ def test_world_size_2(tmp_path):
             assert difference < (INT8_TOLERANCE if name.startswith("int8") else TOLERANCE), (rank, name, difference)
 
 
-MASTER_SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "nvme", "nvme")]
+MASTER_SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "nvme", "cpu"), (3, "nvme", "nvme")]
 
 
 @pytest.mark.parametrize("stage,device,param_device", MASTER_SETUPS)

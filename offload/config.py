@@ -112,8 +112,9 @@ class OffloadOptimizerConfig:
                                  choices=("float32", "bfloat16", "int8"))
     master_dtype: str | None = _f(None, "device cpu or nvme, bf16 compute: the master weights stored as float32 (4 "
                                   "bytes per parameter) or bfloat16 (rounded stochastically: none, the weights' own "
-                                  "copy is the master, or 2 beside stage 3 weights on nvme); unset: float32, or "
-                                  "bfloat16 under bf16.bf16_master_weights_and_grads", choices=("float32", "bfloat16"))
+                                  "host copy is the master, or 2 beside stage 3 weights on nvme or the accelerator); "
+                                  "unset: float32, or bfloat16 under bf16.bf16_master_weights_and_grads",
+                                  choices=("float32", "bfloat16"))
 
 
 @dataclass(frozen=True, kw_only=True)

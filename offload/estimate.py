@@ -19,7 +19,8 @@ steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
 swap files of b bytes be in flight (``store.pool_bytes``), and o the
 optimizer bytes per element off the accelerator (Note [state format]: 12
 with float32 moments, 8 with bfloat16, 4 with a bfloat16 master too, which
-is the weights' own copy, 6 beside stage 3 weights on nvme):
+is the weights' own host copy, 6 beside stage 3 weights on nvme or on the
+accelerator):
   weights        stages 1-2: d*P on the accelerator (replicated);
                  stage 3: d*n in the weight tier (with weights on nvme, the
                  first max_in_cpu elements in host memory instead), plus, on
@@ -173,7 +174,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
     state_format = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
-                                     weights_in_swap=setup.stage == 3 and setup.weights == "nvme")
+                                     weights_off_host=setup.stage == 3 and setup.weights != "cpu")
     o = state_format.bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
@@ -235,8 +236,6 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
             pcie += 2 * a * d * n  # forward and backward gathers page the local part up
         if offloaded != (setup.weights != "none"):
             pcie += d * n  # new weights cross once, between the optimizer's tier and the weights'
-        if offloaded and setup.weights == "none" and state_format.master_in_weights:
-            pcie += d * n  # and the bf16 master they are comes down once, to the optimizer
     read = written = 0.0
     if setup.optimizer == "nvme":
         read += o * n

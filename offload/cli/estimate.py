@@ -100,8 +100,8 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
              "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "
              + ", ".join(f"{master} master and {moments} moments {StateFormat.named(moments, master).bytes_per_element:.3g}"
                          for master, moments in FORMATS)
-             + f" (a bf16 master counts beside stage 3 weights on nvme only: elsewhere it is the weights' own "
-             f"copy); below: {state_format}", ""]
+             + f" (a bf16 master counts only beside stage 3 weights on nvme or on the GPU: elsewhere it is the "
+             f"weights' own host copy); below: {state_format}", ""]
     header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
     lines += [header, "-" * len(header)]
     for e in rows:

@@ -14,11 +14,12 @@ element for each moment: 6.004 bytes per element.
 
 A bf16 master (``offload_optimizer.master_dtype``) is rounded
 stochastically (Note [stochastic rounding]). It is not in the buffer at all
-(``master_in_weights``) but the compute weights' own copy of the owned
+(``master_in_weights``) but the compute weights' own host copy of the owned
 shard, which the kernel updates in place (Note [master in the weights],
 zero/weights.py): the moments alone are stored, 4 or 2.004 bytes per
-element. Only stage 3 weights in swap files keep it here, after the scales
-and before the moments: 6 or 4.004 bytes per element.
+element. Only stage 3 weights with no host copy (in swap files or on the
+accelerator) keep it here, after the scales and before the moments: 6 or
+4.004 bytes per element.
 
 Checkpoints hold the state in fp32 whatever the format (``decode``), so a run
 may resume with another format. Resuming with the same one is bitwise: a
@@ -48,12 +49,13 @@ class StateFormat:
     master_in_weights: bool = False  # the buffer holds the moments only
 
     @staticmethod
-    def named(moments: str, master: str = "float32", weights_in_swap: bool = False) -> StateFormat:
-        """``weights_in_swap``: stage 3 weights on nvme, which keep a bf16 master
+    def named(moments: str, master: str = "float32", weights_off_host: bool = False) -> StateFormat:
+        """``weights_off_host``: stage 3 weights on nvme or on the accelerator,
+        which have no host copy to be the master, so a bf16 master is kept
         here (Note [master in the weights])."""
         master_dtype = MASTER_DTYPES[master]
         return StateFormat(STATE_DTYPES[moments], master_dtype,
-                           master_in_weights=master_dtype == torch.bfloat16 and not weights_in_swap)
+                           master_in_weights=master_dtype == torch.bfloat16 and not weights_off_host)
 
     @property
     def _master_bytes(self) -> int:

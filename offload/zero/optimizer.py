@@ -14,9 +14,9 @@ Where the state lives is chosen once, at construction (``make_optimizer``):
 Both read the gradient from an ``OwnedGradient`` and hand each sub-group's
 new weights, in the compute dtype, to the weights (``Weights.target`` /
 ``accept``); the native kernel writes them in the same pass over memory. A
-bf16 master is, but for stage 3 weights in swap files, not in the store at
-all: the kernel updates the weights' own copy in place (Note [master in the
-weights], zero/weights.py).
+bf16 master is, but for stage 3 weights in swap files or on the accelerator,
+not in the store at all: the kernel updates the weights' own host copy in
+place (Note [master in the weights], zero/weights.py).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class StoreOptimizer(ShardOptimizer):
         self.threads = default_threads()
         zero = config.zero_optimization
         self.format = StateFormat.named(config.state_dtype, config.master_dtype,
-                                        weights_in_swap=zero.stage == 3 and zero.offload_param.device == "nvme")
+                                        weights_off_host=zero.stage == 3 and zero.offload_param.device != "cpu")
         self.master_in_weights = self.format.master_in_weights
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,

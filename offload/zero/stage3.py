@@ -497,17 +497,13 @@ class PartitionedWeights:
 
     def _read_current(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Owned weights [lo, hi) into host tensor ``out``, from each parameter's
-        part in host memory or on the accelerator (weights in swap files keep a
-        separate master: Note [master in the weights]). A parameter split
-        between sub-groups is read for each: ``accept`` writes it to its tier
-        only once complete, so its part not stepped yet is there as it was."""
+        part in host memory (weights elsewhere keep a separate master: Note
+        [master in the weights]). A parameter split between sub-groups is read
+        for each: ``accept`` writes it to its tier only once complete, so its
+        part not stepped yet is there as it was."""
         for bucket, a, b in self.layout.buckets_meeting(lo, hi):
-            m, start = self._managed[bucket.slots[0].param], bucket.owned_offset
-            if m.tier == "none":
-                out[a - lo : b - lo].copy_(self.transfer.host_copy(self._shards[m.key][a - start : b - start]))
-            else:
-                (part,) = self.store.get([m.key])  # host memory: nothing to read, nothing to release
-                out[a - lo : b - lo].copy_(part[a - start : b - start])
+            (part,) = self.store.get([self._managed[bucket.slots[0].param].key])  # host memory: no read, no release
+            out[a - lo : b - lo].copy_(part[a - bucket.owned_offset : b - bucket.owned_offset])
 
     def accept(self, lo: int, hi: int) -> None:
         """Each parameter's part is written to its tier once complete (a sub-group may

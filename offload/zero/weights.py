@@ -29,16 +29,18 @@ twice. Which copy it is:
   - stages 1 and 2: the replicated weights' host copy of this rank's parts,
     the flat buffer itself when it is host memory written in place, else
     the staging copy;
-  - stage 3, weights in host memory or on the accelerator: each parameter's
-    part; the step reads a sub-group's parts (``current``) and writes them
-    back as before (``accept``).
-Stage 3 weights in swap files keep a separate master in the optimizer's
-store: read from the parameters' own files, one part after another, the
-master's reads landed on the step's critical path, where the store reads
-whole sub-groups ahead. Measured on the 5M GPT, everything on nvme, 8-bit
-moments: the optimizer phase took 0.098 and 0.149 s against 0.050 and 0.079,
-the step 1.61 and 1.86 s against 1.48 and 1.79, while 2 bytes per element
-fewer were written. An overlapped step (Note [overlapped step]) steps a copy,
+  - stage 3, weights in host memory (``offload_param.device: cpu``): each
+    parameter's part; the step reads a sub-group's parts (``current``) and
+    writes them back as before (``accept``).
+Stage 3 weights with no host copy keep a separate master in the optimizer's
+store. In swap files: read from the parameters' own files, one part after
+another, the master's reads landed on the step's critical path, where the
+store reads whole sub-groups ahead. Measured on the 5M GPT, everything on
+nvme, 8-bit moments: the optimizer phase took 0.098 and 0.149 s against
+0.050 and 0.079, the step 1.61 and 1.86 s against 1.48 and 1.79, while 2
+bytes per element fewer were written. On the accelerator: each step would
+copy the master down over PCIe, part by part, on the critical path, for 2
+bytes per element of host memory. An overlapped step (Note [overlapped step]) steps a copy,
 read on the main thread, and hands it over only if kept. Saved against a
 separate master: 2 bytes per element of host memory (optimizer on cpu), or
 of disk read and written each step (on nvme).

@@ -114,11 +114,13 @@ def _optimizer_bytes(tmp_path, stage: int, device: str, state_dtype: str, master
 
 def test_the_state_takes_12_8_6_4_or_2_bytes_per_element(tmp_path):
     """A bf16 master is not stored with the moments: it is the weights' own
-    copy, but for stage 3 weights on nvme (Note [master in the weights])."""
+    host copy, but for stage 3 weights on nvme or on the accelerator (Note
+    [master in the weights])."""
     for stage, param_device, state_dtype, master_dtype, per_element in (
             (2, None, "float32", "float32", 12), (2, None, "bfloat16", "float32", 8),
             (2, None, "bfloat16", "bfloat16", 4), (3, "cpu", "bfloat16", "bfloat16", 4),
-            (3, "nvme", "bfloat16", "bfloat16", 6), (2, None, "int8", "float32", 6),
+            (3, "nvme", "bfloat16", "bfloat16", 6), (3, "none", "bfloat16", "bfloat16", 6),
+            (2, None, "int8", "float32", 6),
             (2, None, "int8", "bfloat16", 2), (3, "cpu", "int8", "bfloat16", 2), (3, "nvme", "int8", "bfloat16", 4)):
         nbytes, n = _optimizer_bytes(tmp_path, stage, "cpu", state_dtype, master_dtype, param_device)
         scales = 2 * 4 * blocks(n) if state_dtype == "int8" else 0  # sub-groups of 4096: two blocks

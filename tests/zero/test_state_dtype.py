@@ -166,8 +166,8 @@ def _optimizer_state(engine) -> list[torch.Tensor]:
                          [(2, "nvme", None, "float32", "bfloat16"), (3, "nvme", "nvme", "float32", "bfloat16"),
                           (3, "nvme", "nvme", "bfloat16", "bfloat16"), (2, "nvme", None, "float32", "int8"),
                           (3, "nvme", "nvme", "bfloat16", "int8"),
-                          # the master in the weights: their staging copy (nvme), the flat buffer itself (cpu),
-                          # stage 3's parts in host memory
+                          # the master in the weights: the flat buffer (the staging copy on an asynchronous
+                          # device: make test's simulated run), stage 3's parts in host memory
                           (2, "nvme", None, "bfloat16", "int8"), (2, "cpu", None, "bfloat16", "bfloat16"),
                           (3, "nvme", "cpu", "bfloat16", "int8")])
 def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stage, device, param_device, master_dtype,

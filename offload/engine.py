@@ -41,7 +41,7 @@ from offload.zero.consolidate import (
     owned_ranges,
 )
 from offload.zero.grads import GradientReducer
-from offload.zero.layout import FlatLayout, Slot
+from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import is_meta, materialize
 from offload.zero.optimizer import make_optimizer
@@ -113,8 +113,7 @@ class Engine:
             if is_meta(model):
                 materialize(model, init_fn)
             for bucket in self.layout.buckets:
-                self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
-                                            self.layout.owned_values(bucket))
+                self._give_master(bucket)
             self.optimizer.finish_master()
             model.to(self.device, self.dtype)
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, offload.delayed_update,
@@ -137,6 +136,13 @@ class Engine:
         self.times = PhaseTimes()
         self._closed = False
 
+    def _give_master(self, bucket: Bucket) -> None:
+        """The initial master weights of this rank's part of ``bucket``, unless
+        the weights' own host copy is the master (Note [master in the weights])."""
+        if not self.optimizer.master_in_weights:
+            self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
+                                        self.layout.owned_values(bucket))
+
     def _partition_stage3(self, model: torch.nn.Module, init_fn) -> None:
         """Each parameter, once it holds its initial values, gives its part of the
         master weights to the optimizer and its compute-dtype part to its tier, and
@@ -147,9 +153,7 @@ class Engine:
             slot = self.reducer.slot_of.get(param)
             if slot is None:  # frozen: stays whole, like buffers
                 return
-            bucket = self.layout.buckets[slot.bucket]
-            self.optimizer.write_master(bucket.owned_offset, bucket.owned_offset + bucket.part,
-                                        self.layout.owned_values(bucket))
+            self._give_master(self.layout.buckets[slot.bucket])
             self.weights.add(param)
 
         if is_meta(model):

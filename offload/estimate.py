@@ -174,7 +174,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
     state_format = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
-                                     weights_off_host=setup.stage == 3 and setup.weights != "cpu")
+                                     setup.stage, setup.weights)
     o = state_format.bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)

@@ -49,13 +49,14 @@ class StateFormat:
     master_in_weights: bool = False  # the buffer holds the moments only
 
     @staticmethod
-    def named(moments: str, master: str = "float32", weights_off_host: bool = False) -> StateFormat:
-        """``weights_off_host``: stage 3 weights on nvme or on the accelerator,
-        which have no host copy to be the master, so a bf16 master is kept
-        here (Note [master in the weights])."""
+    def named(moments: str, master: str = "float32", stage: int = 2, weights: str = "cpu") -> StateFormat:
+        """``weights``: where stage 3 keeps the weights (``offload_param.device``).
+        Stage 3 weights on nvme or on the accelerator have no host copy to be
+        the master, so a bf16 master is kept here (Note [master in the weights])."""
         master_dtype = MASTER_DTYPES[master]
+        weights_on_host = stage < 3 or weights == "cpu"
         return StateFormat(STATE_DTYPES[moments], master_dtype,
-                           master_in_weights=master_dtype == torch.bfloat16 and not weights_off_host)
+                           master_in_weights=master_dtype == torch.bfloat16 and weights_on_host)
 
     @property
     def _master_bytes(self) -> int:

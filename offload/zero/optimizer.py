@@ -204,8 +204,7 @@ class StoreOptimizer(ShardOptimizer):
         self.read_ahead = max(1, offload.buffer_count - 2)  # one buffer is being updated and one written back
         self.threads = default_threads()
         zero = config.zero_optimization
-        self.format = StateFormat.named(config.state_dtype, config.master_dtype,
-                                        weights_off_host=zero.stage == 3 and zero.offload_param.device != "cpu")
+        self.format = StateFormat.named(config.state_dtype, config.master_dtype, zero.stage, zero.offload_param.device)
         self.master_in_weights = self.format.master_in_weights
         self.store = TieredStore(
             offload.nvme_path if self.tier == "nvme" else None,
@@ -247,9 +246,7 @@ class StoreOptimizer(ShardOptimizer):
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set master weights [lo, hi). Call in increasing order of ``lo``; then
-        ``finish_master``. A master in the weights is already there."""
-        if self.master_in_weights:
-            return
+        ``finish_master``. Not for a master in the weights: that is already there."""
         for i, g_lo, a, b in self.groups.meeting(lo, hi):
             if self._open_group != i:
                 self.finish_master()

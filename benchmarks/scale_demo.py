@@ -4,6 +4,10 @@ optimizer state on NVMe (ZeRO-Infinity), built under offload.init.
     python benchmarks/scale_demo.py --nvme-path /work/scratch --arch llama --layers 24 --state-dtype bfloat16 --steps 10
     python benchmarks/scale_demo.py --nvme-path /work/scratch --arch gpt --layers 41 --width 2560 --steps 3
 
+On a CPU without bf16 instructions, ``--emulate-bf16-matmul`` runs bf16
+compute's linear layers and attention in fp32 from bf16 operands
+(``bf16_emulation.py``): the weights, gradients and master on disk stay bf16.
+
 ``--arch llama`` is Llama-2-7B's shape (32 layers, width 4096, SwiGLU 11008,
 vocabulary 32000) unless ``--layers``/``--width`` say otherwise; ``gpt`` is
 the bundled GPT. Batches are windows of the bundled text, a new one every
@@ -21,6 +25,7 @@ ru_maxrss) and the losses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -31,6 +36,7 @@ import time
 
 import psutil
 import torch
+from bf16_emulation import EmulatedBf16Matmul
 
 import offload
 from offload.cli import bench_swap
@@ -81,7 +87,9 @@ def main() -> None:
     parser.add_argument("--master-dtype", choices=sorted(MASTER_DTYPES), default="float32")
     parser.add_argument("--compute", choices=("float32", "bfloat16"), default="bfloat16",
                         help="compute dtype, also the weights' on disk (CPUs without bf16 instructions multiply "
-                             "bf16 matrices hundreds of times slower than fp32: use float32 there)")
+                             "bf16 matrices about 80 times slower than fp32: use float32 or --emulate-bf16-matmul)")
+    parser.add_argument("--emulate-bf16-matmul", action="store_true",
+                        help="bf16 compute: linear layers and attention in fp32 from bf16 operands, rounded to bf16")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="steps measured, after the warm-up")
@@ -96,7 +104,8 @@ def main() -> None:
     ram = psutil.virtual_memory().total
     print(f"{args.arch} ({c.n_layer} layers, width {c.n_embd}): {params / 1e9:.2f}B parameters; training state at "
           f"16 B/param: {16 * params / 2**30:.1f} GiB ({16 * params / ram:.1f}x this machine's "
-          f"{ram / 2**30:.1f} GiB of RAM); {args.compute} compute, {args.master_dtype} master, "
+          f"{ram / 2**30:.1f} GiB of RAM); {args.compute} compute{' (matmuls emulated)' * args.emulate_bf16_matmul}, "
+          f"{args.master_dtype} master, "
           f"{args.state_dtype} moments", flush=True)
     expected = estimate(ModelShape.from_config(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
     free = shutil.disk_usage(args.nvme_path).free
@@ -118,10 +127,12 @@ def main() -> None:
 
     data = ByteBatches(stdlib_corpus(), args.seq_len, args.batch_size, seed=0)
     steps, disk_used = [], 0
+    emulation = EmulatedBf16Matmul() if args.emulate_bf16_matmul else contextlib.nullcontext()
     for step in range(args.warmup + args.steps):
         before = engine.disk_traffic()
         t0 = time.perf_counter()
-        loss = engine(data.batch(step, 0, 0))
+        with emulation:
+            loss = engine(data.batch(step, 0, 0))
         engine.backward(loss)
         engine.step()
         engine.synchronize()
@@ -144,6 +155,7 @@ def main() -> None:
     median = {key: statistics.median(s[key] for s in steps) for key in ("seconds", "disk_seconds", "bytes_read",
                                                                          "bytes_written")}
     result = {"arch": args.arch, "config": vars(c), "params": params, "compute": args.compute,
+              "emulated_bf16_matmul": args.emulate_bf16_matmul,
               "state_dtype": args.state_dtype, "master_dtype": args.master_dtype,
               "state_gib": 16 * params / 2**30, "ram_gib": ram / 2**30, "build_seconds": build_s,
               "estimated_bytes_read": expected.disk_read_per_step,

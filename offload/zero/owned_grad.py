@@ -29,6 +29,7 @@ from offload.store import AioSettings, PoolExhausted, TieredStore, pool_bytes
 from offload.zero.layout import SubGroups
 from offload.zero.transfer import Pending, Transfer
 
+OPEN = 2  # sub-groups of a gradient on disk resident during backward (OnDiskGradient); buffer_count is at least 2
 
 def gradient_dtype(compute: torch.dtype, stage: int, accumulation: int) -> torch.dtype:
     """Note [owned gradient dtype]."""
@@ -203,9 +204,16 @@ class InMemoryGradient:
 
 
 class OnDiskGradient:
-    """One swap file per sub-group. Backward adds into one sub-group at a
-    time, held resident until a part for another arrives, then written back;
-    its first touch in a window starts from zeros, unread. Each write-back
+    """One swap file per sub-group. Backward adds into sub-groups held
+    resident, and writes one back as soon as parts have covered it (each
+    element gets one part per backward), or, when ``OPEN`` partly covered
+    ones are resident and another is needed, the highest of them, which
+    backward, going down the layout, is most likely done with. Not one
+    sub-group at a time: within a module, gradients may arrive low before
+    high (a custom autograd function returning a weight's gradient before its
+    bias's), and each such pair across a boundary then cost a write-back and
+    a read (measured at 3.23B: 36.8 GB written a step instead of 25.8). A
+    sub-group's first touch in a window starts from zeros, unread. Each write-back
     takes the sub-group's sum of squares while it is in memory, so the
     statistics clipping and fp16 need read nothing back (a sub-group opened
     again is summed again: its last sum covers everything added to it)."""
@@ -223,7 +231,8 @@ class OnDiskGradient:
         for i, (lo, hi) in enumerate(groups):
             self.store.put(self._key(i), zeros[: hi - lo], "nvme")
         self._zeros = zeros  # what an untouched sub-group reads as
-        self._open: tuple[int, torch.Tensor] | None = None
+        self._open: dict[int, torch.Tensor] = {}  # sub-group -> its resident buffer, parts being added
+        self._covered: dict[int, int] = {}  # sub-group -> elements parts reached in this backward
         self._touched: set[int] = set()  # sub-groups written in this accumulation window
         self._sums: dict[int, float] = {}  # each touched sub-group's sum of squares at its last write-back
         self._landing: list[tuple[int, int, Pending]] = []  # parts copied out, not added yet
@@ -252,35 +261,34 @@ class OnDiskGradient:
                 pending.release()
 
     def _add(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Parts arrive in backward order, from high offsets to low: a part across
-        a sub-group boundary is added from its top down, so the lower sub-group
-        stays open for the next part, and each sub-group is written once per
-        backward instead of bouncing between two."""
-        open_group = None if self._open is None else self._open[0]
-        overlaps = sorted(self.groups.meeting(lo, hi), key=lambda o: (o[0] != open_group, -o[0]))
-        for i, g_lo, a, b in overlaps:
-            if self._open is None or self._open[0] != i:
-                self._close_open()
+        """Parts arrive in backward order, mostly from high offsets to low: a part
+        across a sub-group boundary is added from its top down, so the lower
+        sub-group is the one left open for the next part."""
+        for i, g_lo, a, b in sorted(self.groups.meeting(lo, hi), reverse=True):
+            if i not in self._open:
+                if len(self._open) == OPEN:
+                    self._close(max(self._open))
                 key = self._key(i)
                 if i in self._touched:
-                    (buffer,) = self.store.get([key])
+                    (self._open[i],) = self.store.get([key])
                 else:
-                    buffer = self.store.get_blank(key).zero_()
+                    self._open[i] = self.store.get_blank(key).zero_()
                     self._touched.add(i)
-                self._open = (i, buffer)
-            self._open[1][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
+            self._open[i][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
+            self._covered[i] = self._covered.get(i, 0) + b - a
+            if self._covered[i] >= self.groups[i][1] - g_lo:
+                self._close(i)
 
     def end_of_backward(self) -> None:
         self._land(block=True)
-        self._close_open()
+        for i in sorted(self._open, reverse=True):
+            self._close(i)
+        self._covered.clear()
 
-    def _close_open(self) -> None:
-        """Write back the sub-group parts were being added into."""
-        if self._open is not None:
-            i, buffer = self._open
-            self._sums[i] = sum_squares(buffer)
-            self.store.release([self._key(i)], dirty=True)
-            self._open = None
+    def _close(self, i: int) -> None:
+        """Write back sub-group i, which parts were being added into."""
+        self._sums[i] = sum_squares(self._open.pop(i))
+        self.store.release([self._key(i)], dirty=True)
 
     def stats(self) -> tuple[float, bool]:
         """Note [gradient statistics], sub-group by sub-group in order, as

@@ -8,8 +8,12 @@ import torch
 
 import offload
 from offload import _native
+from offload.store import AioSettings, PinnedPool
 from offload.zero import optimizer as optimizer_module
 from offload.zero import owned_grad
+from offload.zero.layout import SubGroups
+from offload.zero.owned_grad import OnDiskGradient
+from offload.zero.transfer import Transfer
 
 from .harness import batch, config, make_model, train_engine
 
@@ -71,3 +75,27 @@ def test_clipping_reads_nothing_more_from_a_gradient_on_disk(tmp_path, accumulat
     # Whether a sub-group still being written back is reused or read again varies
     # by one sub-group's file (8 KiB here) between runs; the read pass was 32 KiB.
     assert reads[0] <= reads[1] + 8192, reads
+
+
+def test_a_gradient_on_disk_writes_each_sub_group_once_when_parts_come_low_before_high(tmp_path):
+    """Sub-groups of 100: a part over three of them (a weight's gradient), then
+    one just above it (its bias's, after it), then lower ones. Each sub-group
+    is written back once, nothing is read back, and the sums are exact."""
+    groups = SubGroups.of(400, 100)
+    gradient = OnDiskGradient(groups, torch.float32, str(tmp_path), AioSettings(block_size=4096, queue_depth=4), 2,
+                              False, Transfer(torch.device("cpu"), PinnedPool(1 << 16, "staging", False)))
+    before = (gradient.store.traffic.reads, gradient.store.traffic.writes)  # construction wrote zeros
+    parts = [(150, 350), (350, 360), (100, 150), (0, 100)]
+    expected = torch.zeros(400)
+    for k, (lo, hi) in enumerate(parts):
+        values = torch.arange(lo, hi, dtype=torch.float32) * (k + 1)
+        gradient.add(lo, hi, values)
+        expected[lo:hi] += values
+    squares, finite = gradient.stats()
+    traffic = (gradient.store.traffic.reads - before[0], gradient.store.traffic.writes - before[1])
+    assert traffic == (0, 4)  # one sub-group open at a time, or none written back on completion: 5-6 writes, and reads
+    assert finite and squares == sum(expected[lo:hi].double().square().sum().item() for lo, hi in groups)
+    for i, (lo, hi) in enumerate(groups):
+        assert torch.equal(gradient.read(i), expected[lo:hi])
+        gradient.done(i)
+    gradient.close()

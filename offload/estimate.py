@@ -38,7 +38,10 @@ accelerator):
                  offloaded, disk with gradients_on_nvme, plus a pool(g*s,
                  buffer_count)), twice with the delayed update (one buffer
                  fills while the other is applied)
-  staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer
+  staging        stages 1-2 only: the new weights' owned part, d*n, beside the optimizer;
+                 with the host as the accelerator (no delayed update), the new
+                 weights go straight into the model's, and only a sub-group
+                 spanning two buckets' parts is staged: d*s
   optimizer      none: 16*n on the accelerator (torch's AdamW: master, its
                  gradient copy, m, v); cpu: o*n host; nvme: o*n disk plus
                  pool(o*s, buffer_count); with overlap_step, buffer_count
@@ -165,17 +168,17 @@ def _pool_of_sub_groups(element_bytes: int, n: int, sub_group: int, copies: int)
 
 
 def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: int = 1,
-             state_dtype: str | None = None, master_dtype: str | None = None) -> Estimate:
+             state_dtype: str | None = None, master_dtype: str | None = None,
+             host_accelerator: bool = False) -> Estimate:
     """Note [estimate terms] for one setup; ``config`` gives the dtypes and
     buffer sizes, ``state_dtype`` and ``master_dtype`` (if given) the
-    optimizer state's instead."""
+    optimizer state's instead; ``host_accelerator``: the CPU computes."""
     zero = config.zero_optimization
     d = 4 if config.compute_dtype_name == "float32" else 2
     a = config.gradient_accumulation_steps
     g = d if setup.stage == 1 or a == 1 else 4
-    state_format = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype,
-                                     setup.stage, setup.weights)
-    o = state_format.bytes_per_element
+    o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype, setup.stage,
+                          setup.weights).bytes_per_element
     P = shape.params
     n = math.ceil(P / gpus)
     part = math.ceil(shape.largest / gpus)
@@ -190,7 +193,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     if setup.stage < 3:
         tiers["device"]["weights"] = d * P
         tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else max(min(zero.reduce_bucket_size, P), shape.largest))
-        tiers[beside_optimizer]["staging"] = d * n
+        in_place = host_accelerator and not zero.offload_optimizer.delayed_update
+        tiers[beside_optimizer]["staging"] = d * (sub_group if in_place else n)
     else:
         if setup.weights == "nvme":
             in_cpu = shape.elements_in_cpu(zero.offload_param.max_in_cpu, gpus)

@@ -119,7 +119,7 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step):
     report = engine.memory_report()
     engine.close()
     peak = {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")}
-    e = estimate(ModelShape.from_config(c), setup, config, 1)
+    e = estimate(ModelShape.from_config(c), setup, config, 1, host_accelerator=True)
     for tier, measured in peak.items():
         assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
     for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
@@ -133,14 +133,16 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
         (plan.Machine(1, 80 * gib, 64 * gib, None), Setup(2, "none")),
         (plan.Machine(1, 24 * gib, 64 * gib, None), Setup(2, "cpu")),
         (plan.Machine(1, 8 * gib, 16 * gib, 100 * gib), Setup(2, "nvme")),
-        (plan.Machine(1, None, 16 * gib, 100 * gib), Setup(3, "nvme", "none")),  # no GPU: "device" is this RAM too
+        # no GPU: "device" is this RAM too, and stage 2 writes new weights into the model's, with no staging copy
+        (plan.Machine(1, None, 16 * gib, 100 * gib), Setup(2, "nvme")),
+        (plan.Machine(1, None, 11 * gib, 100 * gib), Setup(3, "nvme", "none")),
         (plan.Machine(1, None, 4 * gib, 100 * gib), Setup(3, "nvme", "nvme")),
     ]
     for machine, expected in cases:
         raw, e = plan.choose(shape, machine, "/nvme")
         assert e.setup == expected, (machine, e.setup)
         # the written config, estimated again, is what the plan claimed, and fits
-        again = estimate(shape, expected, offload.Config.load(raw), machine.gpus)
+        again = estimate(shape, expected, offload.Config.load(raw), machine.gpus, host_accelerator=machine.gpu_mem is None)
         assert again.node == e.node and plan.fits(again, machine)
     assert raw["zero_optimization"]["offload_optimizer"]["gradients_on_nvme"]  # 4 GB of fp32 gradient would not fit 4 GiB
     assert plan.choose(ModelShape.from_count(10**12), plan.Machine(1, None, 16 * gib, 100 * gib), "/nvme") is None

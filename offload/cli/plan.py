@@ -128,7 +128,8 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
         shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
         for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
             raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, state_dtype)
-            e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus)
+            e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus,
+                         host_accelerator=machine.gpu_mem is None)
             if fits(e, machine):
                 return raw, e
     return None

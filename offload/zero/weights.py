@@ -5,10 +5,11 @@ One interface, ``Weights``, for both kinds:
     weights in one flat buffer (Note [flat layout]). When the flat buffer is
     in host memory (the accelerator is the CPU) and nothing runs during the
     step, the optimizer writes each sub-group's new owned weights straight
-    into this rank's parts, so publishing costs no copy; otherwise into a
-    staging copy of the owned shard that ``end_publish`` copies into the
-    parts. Then each bucket is all-gathered. The staging copy lets a delayed
-    update fill it while the model still runs with the previous weights.
+    into this rank's parts, so publishing costs no copy (a sub-group spanning
+    two buckets' parts goes through a scratch buffer of its size); otherwise
+    into a staging copy of the owned shard that ``end_publish`` copies into
+    the parts. Then each bucket is all-gathered. The staging copy lets a
+    delayed update fill it while the model still runs with the previous weights.
   - ``PartitionedWeights`` (stage 3, ``zero/stage3.py``) keeps only this
     rank's part of each parameter, in its tier, and gathers a module's
     weights just before the module runs.
@@ -110,13 +111,14 @@ class ReplicatedWeights:
             view = self.flat[slot.offset : slot.offset + slot.numel]
             view.copy_(slot.param.detach().reshape(-1))
             slot.param.data = view.view(slot.shape)
-        self.staging = torch.empty(layout.owned, dtype=dtype, **staging_on)
+        # Direct: only a sub-group spanning two bucket parts is staged, one at a time (target, then accept).
+        self.staging = torch.empty(0 if self.direct else layout.owned, dtype=dtype, **staging_on)
         self.holds_master = holds_master
         if holds_master and not self.direct:  # the staging copy is the host copy: it starts as the weights
             for bucket in layout.buckets:
                 lo, hi = bucket.owned_offset, bucket.owned_offset + bucket.part
                 self.staging[lo:hi].copy_(self.transfer.host_copy(self._flat_part(bucket, lo, hi)))
-        self._staged: list[tuple[int, int]] = []  # direct: ranges written to staging, not yet copied in
+        self._staged: tuple[int, int] | None = None  # direct: the range in staging, not yet copied in
         self._uploads: list[Pending] = []  # staging -> flat copies of this publish
 
     def begin_pass(self) -> None:
@@ -148,15 +150,18 @@ class ReplicatedWeights:
     def target(self, lo: int, hi: int, current: bool = False) -> torch.Tensor:
         """Staging is the weights of now whenever the flat buffer is not written
         in place; when it is, only the flat buffer is."""
-        if self.direct:
-            pieces = list(self.layout.buckets_meeting(lo, hi))
-            if len(pieces) == 1:  # within one bucket's part: its place in the flat buffer
-                return self._flat_part(*pieces[0])
-            self._staged.append((lo, hi))
-            if current:
-                for bucket, a, b in pieces:
-                    self.staging[a:b].copy_(self._flat_part(bucket, a, b))
-        return self.staging[lo:hi]
+        if not self.direct:
+            return self.staging[lo:hi]
+        pieces = list(self.layout.buckets_meeting(lo, hi))
+        if len(pieces) == 1:  # within one bucket's part: its place in the flat buffer
+            return self._flat_part(*pieces[0])
+        if self.staging.numel() < hi - lo:
+            self.staging = torch.empty(hi - lo, dtype=self.dtype)
+        self._staged = (lo, hi)
+        if current:
+            for bucket, a, b in pieces:
+                self.staging[a - lo : b - lo].copy_(self._flat_part(bucket, a, b))
+        return self.staging[: hi - lo]
 
     def current(self, lo: int, hi: int) -> torch.Tensor:
         if not self.direct:
@@ -169,19 +174,20 @@ class ReplicatedWeights:
         next sub-group's Adam), unless a delayed update wrote them: then the
         model still runs, and they go at end_publish."""
         if self.direct:
-            if (lo, hi) in self._staged:
-                self._staged.remove((lo, hi))
-                self._copy_in(lo, hi)
+            if self._staged == (lo, hi):
+                self._staged = None
+                self._copy_in(lo, hi, at=lo)
         elif not self.delayed:
             self._copy_in(lo, hi)
 
-    def _copy_in(self, lo: int, hi: int) -> None:
+    def _copy_in(self, lo: int, hi: int, at: int = 0) -> None:
+        """Owned [lo, hi) from staging, where it begins at ``lo - at``, into this rank's parts."""
         for bucket, a, b in self.layout.buckets_meeting(lo, hi):
-            mine = self._flat_part(bucket, a, b)
+            mine, new = self._flat_part(bucket, a, b), self.staging[a - at : b - at]
             if self.upload:
-                self._uploads.append(self.transfer.to_device(self.staging[a:b], mine))
+                self._uploads.append(self.transfer.to_device(new, mine))
             else:
-                mine.copy_(self.staging[a:b])
+                mine.copy_(new)
 
     def end_publish(self) -> None:
         """This rank's new parts in place (Note [transfer protocol]: the uploads
@@ -204,7 +210,9 @@ class ReplicatedWeights:
         n = self.flat.numel() * self.flat.element_size()
         report.add(flat_name, "device", n, n)
         staged = self.staging.numel() * self.staging.element_size()
-        report.add(staging_name, self.staging_tier, staged, staged)
+        if staged or not self.direct:
+            report.add("weights (scratch, one sub-group)" if self.direct else staging_name, self.staging_tier,
+                       staged, staged)
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic(0, 0)

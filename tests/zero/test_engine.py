@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import offload
 from offload import _native
+from offload.zero.transfer import SIMULATE_ENV
 
 from .harness import (
     batch,
@@ -136,6 +137,19 @@ def test_state_dict_has_the_models_keys_and_tied_weights():
         state = engine.state_dict()
         assert list(state) == list(model.state_dict())
         assert torch.equal(state["embed.weight"], state["head.weight"])
+
+
+@pytest.mark.skipif(os.environ.get(SIMULATE_ENV) == "1", reason="an asynchronous device needs the staging copy")
+def test_weights_written_in_place_keep_no_staging_copy_of_the_shard():
+    """A CPU accelerator at stage 2: the optimizer writes into the flat buffer;
+    only a sub-group spanning two buckets' parts (sub-groups of 700, buckets
+    of 1500) goes through a scratch buffer of its own size, not d*n bytes."""
+    engine = train_engine(make_model(), 2, 1, config(2, "cpu", 1))
+    with engine:
+        weights = {kind: entry["peak_bytes"] for (kind, _), entry in engine.memory_report().items()
+                   if kind.startswith("weights")}
+    assert set(weights) == {"weights", "weights (scratch, one sub-group)"}
+    assert weights["weights (scratch, one sub-group)"] == 4 * 700 < engine.layout.owned
 
 
 def test_batch_size_mismatch_is_refused():

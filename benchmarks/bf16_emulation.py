@@ -21,6 +21,17 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
+def add_argument(parser) -> None:
+    """The ``--emulate-bf16-matmul`` flag of the benchmarks that run bf16 compute."""
+    parser.add_argument("--emulate-bf16-matmul", action="store_true",
+                        help="bf16 compute: linear layers and attention in fp32 from bf16 operands, rounded to bf16")
+
+
+def bf16_matmuls(emulated: bool):
+    """What bf16 compute runs under: the emulation, or torch's own kernels."""
+    return EmulatedBf16Matmul() if emulated else contextlib.nullcontext()
+
+
 class EmulatedBf16Matmul(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -25,7 +25,6 @@ ru_maxrss) and the losses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -36,7 +35,7 @@ import time
 
 import psutil
 import torch
-from bf16_emulation import EmulatedBf16Matmul
+import bf16_emulation
 
 import offload
 from offload.cli import bench_swap
@@ -88,8 +87,7 @@ def main() -> None:
     parser.add_argument("--compute", choices=("float32", "bfloat16"), default="bfloat16",
                         help="compute dtype, also the weights' on disk (CPUs without bf16 instructions multiply "
                              "bf16 matrices about 80 times slower than fp32: use float32 or --emulate-bf16-matmul)")
-    parser.add_argument("--emulate-bf16-matmul", action="store_true",
-                        help="bf16 compute: linear layers and attention in fp32 from bf16 operands, rounded to bf16")
+    bf16_emulation.add_argument(parser)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="steps measured, after the warm-up")
@@ -127,7 +125,7 @@ def main() -> None:
 
     data = ByteBatches(stdlib_corpus(), args.seq_len, args.batch_size, seed=0)
     steps, disk_used = [], 0
-    emulation = EmulatedBf16Matmul() if args.emulate_bf16_matmul else contextlib.nullcontext()
+    emulation = bf16_emulation.bf16_matmuls(args.emulate_bf16_matmul)
     for step in range(args.warmup + args.steps):
         before = engine.disk_traffic()
         t0 = time.perf_counter()

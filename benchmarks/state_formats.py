@@ -24,12 +24,11 @@ formats' linear layers and attention in fp32 from bf16 operands
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 
-from bf16_emulation import EmulatedBf16Matmul
+import bf16_emulation
 
 from offload.cli import main as offload_main
 from offload.optim.state_format import StateFormat
@@ -70,8 +69,7 @@ def run(name: str, args: argparse.Namespace) -> dict:
     argv = ["train", "--config", path, "--model", args.model, "--steps", str(args.steps), "--out", out]
     if args.nvme_path:
         argv += ["--nvme-path", args.nvme_path]
-    emulation = EmulatedBf16Matmul() if bf16 and args.emulate_bf16_matmul else contextlib.nullcontext()
-    with emulation:
+    with bf16_emulation.bf16_matmuls(bf16 and args.emulate_bf16_matmul):
         code = offload_main(argv)
     if code != 0:
         sys.exit(f"state_formats: offload train failed for {name}")
@@ -107,8 +105,7 @@ def main() -> int:
     p.add_argument("--nvme-path", default=None, help="where the swap files go (default: a temporary directory)")
     p.add_argument("--out", default="runs/state_formats")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"some of {', '.join(FORMATS)}")
-    p.add_argument("--emulate-bf16-matmul", action="store_true",
-                   help="bf16 compute: linear layers and attention in fp32 from bf16 operands, rounded to bf16")
+    bf16_emulation.add_argument(p)
     p.add_argument("--reuse", action="store_true",
                    help="read, not rerun, the formats whose run in --out had this config, model and --steps")
     args = p.parse_args()

@@ -123,7 +123,8 @@ class Engine:
         if offload.delayed_update:
             self.update = DelayedUpdate(self.optimizer, self.weights, self.gradient, offload.delayed_update_warmup)
         elif overlap:
-            self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count)
+            self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count,
+                                         needs_stats=config.fp16.enabled or config.gradient_clipping > 0)
         else:
             self.update = ImmediateUpdate(self.optimizer, self.weights, self.gradient)
         self.micro_steps = 0  # backward passes, in all

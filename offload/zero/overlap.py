@@ -85,9 +85,11 @@ class OverlappedStep:
     """Note [overlapped step]."""
 
     def __init__(self, optimizer: StoreOptimizer, weights: Weights, gradient: InMemoryGradient, layout: FlatLayout,
-                 budget: int) -> None:
+                 budget: int, needs_stats: bool) -> None:
+        """``needs_stats``: the step reads the gradient's norm or overflow
+        (clipping, fp16); without them the worker sums no squares."""
         self.optimizer, self.weights, self.gradient, self.layout = optimizer, weights, gradient, layout
-        self.budget = budget
+        self.budget, self.needs_stats = budget, needs_stats
         groups = optimizer.groups
         # Sub-group i is complete once every bucket meeting it was reduced in the last backward.
         self._meets = {i: sum(1 for _ in layout.buckets_meeting(lo, hi)) for i, (lo, hi) in enumerate(groups)}
@@ -172,11 +174,12 @@ class OverlappedStep:
         self.gradient.apply_landing(landing)
         lo, hi = self.optimizer.groups[i]
         grad = self.gradient.tensor[lo:hi]
-        self._sums[i] = sum_squares(grad)
+        if self.needs_stats:
+            self._sums[i] = sum_squares(grad)
         if bases is not None:
             backup_nbytes = self.optimizer.backup_nbytes(hi - lo)
             state = bases[0][:backup_nbytes] if backup_nbytes else None
-            weights = bases[1][: hi - lo] if self.weights.dtype != torch.float32 else None
+            weights = bases[1][: hi - lo] if bases[1].numel() else None  # none for fp32: the master is the weights
             new = self.optimizer.speculate(i, grad, self._guess, self._hyper, state, weights)
             if new is None:
                 self._spare.append(bases)

@@ -120,11 +120,13 @@ class Engine:
                                              self.transfer, holds_master=self.optimizer.master_in_weights)
         self.reducer.install()
         self.scaler = LossScaler(config.fp16)
+        # fp16's overflow check and clipping read the gradient's sum of squares; nothing else does.
+        self._reads_grad_stats = self.scaler.enabled or config.gradient_clipping > 0
         if offload.delayed_update:
             self.update = DelayedUpdate(self.optimizer, self.weights, self.gradient, offload.delayed_update_warmup)
         elif overlap:
             self.update = OverlappedStep(self.optimizer, self.weights, self.gradient, self.layout, offload.buffer_count,
-                                         needs_stats=config.fp16.enabled or config.gradient_clipping > 0)
+                                         needs_stats=self._reads_grad_stats)
         else:
             self.update = ImmediateUpdate(self.optimizer, self.weights, self.gradient)
         self.micro_steps = 0  # backward passes, in all
@@ -243,9 +245,9 @@ class Engine:
         """What the optimizer multiplies the owned gradient by: averaging over
         ranks, unscaling fp16, clipping; None if some rank's gradient overflowed."""
         multiplier = 1.0 / (self.world * self.scaler.scale)
-        clip = self.config.gradient_clipping
-        if not (self.scaler.enabled or clip > 0):
+        if not self._reads_grad_stats:
             return multiplier
+        clip = self.config.gradient_clipping
         squares, finite = self.update.gradient_stats()
         if self.scaler.enabled:
             flag = torch.tensor([0.0 if finite else 1.0], device=self._comm_device)

@@ -142,7 +142,8 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
         raw, e = plan.choose(shape, machine, "/nvme")
         assert e.setup == expected, (machine, e.setup)
         # the written config, estimated again, is what the plan claimed, and fits
-        again = estimate(shape, expected, offload.Config.load(raw), machine.gpus, host_accelerator=machine.gpu_mem is None)
+        again = estimate(shape, expected, offload.Config.load(raw), machine.gpus,
+                         host_accelerator=machine.gpu_mem is None)
         assert again.node == e.node and plan.fits(again, machine)
     assert raw["zero_optimization"]["offload_optimizer"]["gradients_on_nvme"]  # 4 GB of fp32 gradient would not fit 4 GiB
     assert plan.choose(ModelShape.from_count(10**12), plan.Machine(1, None, 16 * gib, 100 * gib), "/nvme") is None

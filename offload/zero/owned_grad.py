@@ -31,6 +31,7 @@ from offload.zero.transfer import Pending, Transfer
 
 OPEN = 2  # sub-groups of a gradient on disk resident during backward (OnDiskGradient); buffer_count is at least 2
 
+
 def gradient_dtype(compute: torch.dtype, stage: int, accumulation: int) -> torch.dtype:
     """Note [owned gradient dtype]."""
     return compute if stage == 1 or accumulation == 1 else torch.float32

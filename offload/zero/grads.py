@@ -7,6 +7,15 @@ reduce-scatters a bucket as soon as all its parameters have their gradient
 for this backward pass, adds this rank's part into the owned gradient
 (``zero/owned_grad.py``), and frees the bucket: the full gradient never exists
 at once.
+
+Note [a bucket of one]
+A bucket that is one parameter and no padding (every bucket at stage 3, a
+large parameter's at stage 2) takes the parameter's gradient as its buffer:
+it is complete when it arrives, so there is nothing to add it into. Zeroing a
+bucket, adding the gradient into it and, on one rank, copying it out again
+were three passes over memory and two fresh allocations per parameter, all
+inside backward. The gradient is this reducer's alone: autograd gives
+``.grad`` away only when nothing else holds it, and ``.grad`` is dropped here.
 """
 
 from __future__ import annotations
@@ -46,10 +55,17 @@ class GradientReducer:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]
         bucket = self.layout.buckets[slot.bucket]
+        grad = param.grad.view(-1)
+        param.grad = None
+        if self.stage == 2 and bucket.slots == (slot,) and bucket.size == slot.numel and grad.dtype == self.dtype:
+            # Note [a bucket of one]
+            self.bucket_bytes += grad.numel() * grad.element_size()
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+            self._reduce(bucket, grad)
+            return
         full = self._bucket_buffer(bucket)
         begin = slot.offset - bucket.start
-        full[begin : begin + slot.numel].add_(param.grad.view(-1))
-        param.grad = None
+        full[begin : begin + slot.numel].add_(grad)
         if self.stage == 2:
             self._arrived[bucket.index] += 1
             if self._arrived[bucket.index] == len(bucket.slots):
@@ -66,8 +82,11 @@ class GradientReducer:
 
     def _reduce(self, bucket: Bucket, full: torch.Tensor) -> None:
         start = time.perf_counter()
-        part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
-        comm.reduce_scatter_sum(part, full)
+        if self._flat is None and self.layout.world == 1:
+            part = full  # nobody writes ``full`` again: no copy of it
+        else:
+            part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
+            comm.reduce_scatter_sum(part, full)
         self.gradient.add(bucket.owned_offset, bucket.owned_offset + bucket.part, part)
         self.on_reduced(bucket.owned_offset, bucket.owned_offset + bucket.part)
         self.seconds += time.perf_counter() - start

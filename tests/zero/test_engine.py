@@ -152,6 +152,30 @@ def test_weights_written_in_place_keep_no_staging_copy_of_the_shard():
     assert weights["weights (scratch, one sub-group)"] == 4 * 700 < engine.layout.owned
 
 
+@pytest.mark.parametrize("stage,param_device", [(3, "cpu"), (2, None)])
+def test_a_bucket_of_one_parameter_hands_its_gradient_on_without_a_copy(stage, param_device):
+    """Note [a bucket of one]: the owned gradient gets the very tensor autograd
+    made, not a zeroed bucket it was added into and copied out of. Stage 3
+    has a bucket per parameter; at stage 2, with buckets of 500 elements, a
+    576-element weight is alone in one. Buckets that are padded (1464 and 24
+    elements) or shared keep theirs."""
+    cfg = config(stage, "cpu", 1, param_device=param_device)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 500
+    model, arrived, added = make_model(), {}, []
+    for name, param in model.named_parameters():  # registered first, so they run before the engine's
+        param.register_post_accumulate_grad_hook(lambda p, name=name: arrived.__setitem__(name, p.grad))
+    engine = offload.initialize(model, cfg)
+    add = engine.gradient.add
+    engine.gradient.add = lambda lo, hi, values: (added.append(values), add(lo, hi, values))
+    with engine:
+        engine.backward(engine(batch(0, 0, 0)))
+    buckets = engine.layout.buckets
+    alone = {s.name for s in engine.layout.slots if buckets[s.bucket].slots == (s,) and buckets[s.bucket].size == s.numel}
+    assert "blocks.1.0.weight" in alone and "embed.weight" not in alone
+    handed_on = {v.untyped_storage().data_ptr() for v in added}  # all alive: no address was reused
+    assert {name for name, grad in arrived.items() if grad.untyped_storage().data_ptr() in handed_on} == alone
+
+
 def test_batch_size_mismatch_is_refused():
     with pytest.raises(ValueError, match="train_batch_size 10 != train_micro_batch_size_per_gpu 3"):
         offload.initialize(make_model(), {**config(2, "none", 1), "train_batch_size": 10})

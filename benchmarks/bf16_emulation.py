@@ -56,7 +56,7 @@ class _Bf16Linear(torch.autograd.Function):
     def forward(ctx, bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x.float(), weight.float(), _fp32(bias)).to(torch.bfloat16)
+        return F.linear(x.float(), _scratch("weight", weight.shape).copy_(weight), _fp32(bias)).to(torch.bfloat16)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -64,9 +64,25 @@ class _Bf16Linear(torch.autograd.Function):
         g = grad.float()
         rows = g.reshape(-1, g.shape[-1])
         grad_b = rows.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[0] else None
-        grad_x = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[1] else None
-        grad_w = (rows.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_x = (g @ _scratch("weight", weight.shape).copy_(weight)).to(x.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            out = _scratch("grad_w", weight.shape)
+            grad_w = torch.mm(rows.T, x.reshape(-1, x.shape[-1]).float(), out=out).to(weight.dtype)
         return grad_b, grad_x, grad_w
+
+
+_scratches: dict[tuple[str, torch.Size], torch.Tensor] = {}
+
+
+def _scratch(use: str, shape: torch.Size) -> torch.Tensor:
+    """An fp32 buffer per use and weight shape, reused: a fresh one per call
+    was new memory each time, whose page faults cost more than the
+    conversion (bf16 hardware converts nothing). It never leaves the call
+    that fills it."""
+    if (use, shape) not in _scratches:
+        _scratches[use, shape] = torch.empty(shape)
+    return _scratches[use, shape]
 
 
 def _fp32(a):

@@ -57,10 +57,9 @@ class GradientReducer:
         bucket = self.layout.buckets[slot.bucket]
         grad = param.grad.view(-1)
         param.grad = None
-        if self.stage == 2 and bucket.slots == (slot,) and bucket.size == slot.numel and grad.dtype == self.dtype:
+        if self.stage == 2 and bucket.is_one_parameter and grad.dtype == self.dtype:
             # Note [a bucket of one]
-            self.bucket_bytes += grad.numel() * grad.element_size()
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+            self._count_bucket(grad.numel() * grad.element_size())
             self._reduce(bucket, grad)
             return
         full = self._bucket_buffer(bucket)
@@ -76,9 +75,12 @@ class GradientReducer:
             return self._flat[bucket.flat_range()]
         if bucket.index not in self._open:
             self._open[bucket.index] = torch.zeros(bucket.size, dtype=self.dtype, device=self.device)
-            self.bucket_bytes += bucket.size * self._open[bucket.index].element_size()
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+            self._count_bucket(bucket.size * self._open[bucket.index].element_size())
         return self._open[bucket.index]
+
+    def _count_bucket(self, nbytes: int) -> None:
+        self.bucket_bytes += nbytes
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
 
     def _reduce(self, bucket: Bucket, full: torch.Tensor) -> None:
         start = time.perf_counter()

@@ -49,6 +49,11 @@ class Bucket:
     owned_offset: int  # where each rank's part sits in that rank's owned shard
     slots: tuple[Slot, ...]
 
+    @property
+    def is_one_parameter(self) -> bool:
+        """One parameter and no padding: its gradient is the whole bucket."""
+        return len(self.slots) == 1 and self.size == self.slots[0].numel
+
     def flat_range(self) -> slice:
         return slice(self.start, self.start + self.size)
 

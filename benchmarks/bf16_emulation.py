@@ -56,7 +56,7 @@ class _Bf16Linear(torch.autograd.Function):
     def forward(ctx, bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x.float(), _scratch("weight", weight.shape).copy_(weight), _fp32(bias)).to(torch.bfloat16)
+        return F.linear(x.float(), _weight_fp32(weight), _fp32(bias)).to(torch.bfloat16)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -64,7 +64,7 @@ class _Bf16Linear(torch.autograd.Function):
         g = grad.float()
         rows = g.reshape(-1, g.shape[-1])
         grad_b = rows.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[0] else None
-        grad_x = (g @ _scratch("weight", weight.shape).copy_(weight)).to(x.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = (g @ _weight_fp32(weight)).to(x.dtype) if ctx.needs_input_grad[1] else None
         grad_w = None
         if ctx.needs_input_grad[2]:
             out = _scratch("grad_w", weight.shape)
@@ -83,6 +83,10 @@ def _scratch(use: str, shape: torch.Size) -> torch.Tensor:
     if (use, shape) not in _scratches:
         _scratches[use, shape] = torch.empty(shape)
     return _scratches[use, shape]
+
+
+def _weight_fp32(weight: torch.Tensor) -> torch.Tensor:
+    return _scratch("weight", weight.shape).copy_(weight)
 
 
 def _fp32(a):

@@ -106,6 +106,7 @@ def main() -> None:
           f"{args.master_dtype} master, "
           f"{args.state_dtype} moments", flush=True)
     expected = estimate(ModelShape.from_config(c), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1)
+    os.makedirs(args.nvme_path, exist_ok=True)  # the engine would make it; the free space is read before
     free = shutil.disk_usage(args.nvme_path).free
     print(f"offload estimate: {expected.node['nvme'] / 1e9:.1f} GB on disk ({free / 1e9:.1f} GB free), "
           f"{expected.node['host'] / 1e9:.2f} GB host, {expected.disk_read_per_step / 1e9:.1f} GB read and "

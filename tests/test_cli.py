@@ -13,6 +13,7 @@ import pytest
 from offload import _native
 from offload.cli import bench_adam, bench_step, main
 from offload.errors import ConfigError, SwapIOError
+from offload.store import State
 from offload.models.gpt import GPT, SIZES
 from offload.zero.layout import FlatLayout, SubGroups
 
@@ -106,6 +107,37 @@ def test_bench_step_reports_every_setups_critical_path(tmp_path, capsys):
     assert result["pipeline_efficiency"] == pytest.approx(disk / nvme["io"]["window"])
     assert result["pipeline_efficiency"] < 1.25  # the disk cannot beat its own speed; the margin is measurement noise
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_step_measures_each_setup_after_its_own_step_on_a_quiet_disk(tmp_path, capsys, monkeypatch):
+    """Note [a turn of two steps]: no measured step starts while another
+    setup's write-backs are in flight, and each follows a step of its own."""
+    calls, one_step = [], bench_step._one_step
+
+    def watched(engine, tokens):
+        others = [e for e in stores if e is not engine]
+        busy = any(stores[e].state(key) is State.WRITING for e in others for key in stores[e].keys())
+        calls.append((engine, busy))
+        return one_step(engine, tokens)
+
+    stores = {}
+    initialize = bench_step.offload.initialize
+
+    def tracked(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        stores[engine] = engine.optimizer.store
+        return engine
+
+    monkeypatch.setattr(bench_step, "_one_step", watched)
+    monkeypatch.setattr(bench_step.offload, "initialize", tracked)
+    argv = ["bench", "step", "--model", "tiny", "--setups", "nvme,nvme+overlap,cpu", "--steps", "1",
+            "--nvme-path", str(tmp_path), "--sub-group-size", "20000", "--json"]
+    assert main(argv) == 0
+    json.loads(capsys.readouterr().out)
+    turns = [calls[i : i + 2] for i in range(0, 3 * 3 * 2, 2)]  # 3 rounds (2 warm-up) x 3 setups, 2 steps each
+    assert [len({engine for engine, _ in turn}) for turn in turns] == [1] * 9
+    assert [turn[0][0] for turn in turns] == list(stores) * 3
+    assert len(calls) == 9 * 2 and not [busy for _, busy in calls if busy]
 
 
 def test_the_hidden_share_is_not_clamped():

@@ -1,8 +1,8 @@
 """``offload bench step``: where a training step's time goes, setup against setup.
 
 Trains the bundled GPT of the chosen size (ZeRO stage 2, or 3 with a weight
-tier) in several setups at once, their steps taken in turn, so every setup
-sees the same machine:
+tier) in several setups at once, taking turns, so every setup sees the same
+machine (Note [a turn of two steps]):
   none          everything on the accelerator
   cpu           optimizer state in host memory (ZeRO-Offload)
   cpu+overlap   the same, each sub-group's step during the last backward (overlap_step)
@@ -24,6 +24,17 @@ optimizer's first read to its last write-back's completion (measured in
 extra steps that start no read during backward and wait for the last
 write-back). It cannot exceed 1 but by measurement noise; 1.0 means the
 I/O ran at the disk's speed throughout.
+
+Note [a turn of two steps]
+An engine's step returns with its last write-backs in flight (they finish
+during its next forward), and a delayed update runs during the next forward
+too. Setups taking turns a step at a time made each setup's forward pay for
+the previous setup's tail and left its own tail to the next one: in
+``cpu,nvme,nvme+overlap`` the plain nvme step's write-backs ran during the
+overlapped step's forward. So a turn is two steps of one setup: the first
+is not measured and leaves the tail that the second's forward overlaps, as
+in training; after the second, the turn waits for that setup's write-backs,
+so the next setup starts on a quiet disk.
 """
 
 from __future__ import annotations
@@ -67,7 +78,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none",
                    help="stage 3: weight partition tier (default none)")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary directory)")
-    p.add_argument("--steps", type=positive_int, default=5, help="measured steps after 2 warm-up steps (default 5)")
+    p.add_argument("--steps", type=positive_int, default=5,
+                   help="measured steps, each after an unmeasured one of its setup, after 2 warm-up turns (default 5)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--sub-group-size", type=positive_int, default=2_000_000, help="elements per optimizer sub-group")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,6 +142,14 @@ def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
     return cfg
 
 
+def _turn(engine, tokens: torch.Tensor) -> dict:
+    """Note [a turn of two steps]: the second step's measurements."""
+    _one_step(engine, tokens)
+    row = _one_step(engine, tokens)
+    engine.synchronize()
+    return row
+
+
 def _one_step(engine, tokens: torch.Tensor) -> dict:
     copy_before = engine.reducer.seconds
     before = engine.disk_traffic()
@@ -155,13 +175,14 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
     for setup in setups:
         torch.manual_seed(0)
         engines[setup] = offload.initialize(GPT(c), _config(args, setup, nvme))
+        engines[setup].synchronize()  # its initial state's writes: Note [a turn of two steps]
     rows: dict[str, list[dict]] = {setup: [] for setup in setups}
     window_steps = args.steps if "nvme" in engines else 0
     bar = Progress((args.steps + 2) * len(setups) + window_steps, "bench step", enabled=not args.json)
     try:
         for i in range(args.steps + 2):
-            for setup, engine in engines.items():  # in turn: every setup sees the same machine
-                row = _one_step(engine, tokens)
+            for setup, engine in engines.items():
+                row = _turn(engine, tokens)
                 if i >= 2:
                     rows[setup].append(row)
                 bar.advance(f"{setup} {row['wall']:.2f}s")
@@ -206,7 +227,7 @@ def report(r: dict) -> str:
     weights = f", weights on {r['offload_param']}" if r["stage"] == 3 else ""
     s = r["setups"]
     lines = [f"offload bench step: GPT {r['model']} ({r['params'] / 1e6:.1f}M parameters), ZeRO stage {r['stage']}"
-             f"{weights}; median step, setups taken in turn", "",
+             f"{weights}; median step, setups taking turns", "",
              f"{'seconds':24}" + "".join(f"{name:>14}" for name in s)]
     for part in ("forward", "backward", "gradient_copy", "optimizer"):
         label = f"{part} (critical path)" if part != "gradient_copy" else "  of which gradient copy"

@@ -13,8 +13,8 @@ import pytest
 from offload import _native
 from offload.cli import bench_adam, bench_step, main
 from offload.errors import ConfigError, SwapIOError
-from offload.store import State
 from offload.models.gpt import GPT, SIZES
+from offload.store import State
 from offload.zero.layout import FlatLayout, SubGroups
 
 BENCH_KEYS = {

@@ -6,8 +6,10 @@ random delays slipped into every store call and between the phases, and
 reports asked for mid-step, end bitwise where the same run without delays
 ends, and no thread ever finds another inside a store (that raises)."""
 
+import contextlib
 import random
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -31,16 +33,20 @@ def _jitter(rng: random.Random) -> None:
         time.sleep(rng.random() * 0.001)
 
 
-def _with_delays(rng: random.Random) -> None:
-    """Every store call that moves shards first sleeps a random while, on whichever thread makes it."""
-    for name in ("get", "release", "prefetch", "flush"):
-        original = getattr(TieredStore, name)
+@contextlib.contextmanager
+def _delays(rng: random.Random):
+    """Inside it, every store call that moves shards first sleeps a random
+    while, on whichever thread makes it (this rank's process only)."""
+    with contextlib.ExitStack() as stack:
+        for name in ("get", "release", "prefetch", "flush"):
+            original = getattr(TieredStore, name)
 
-        def delayed(self, *args, _original=original, **kwargs):
-            _jitter(rng)
-            return _original(self, *args, **kwargs)
+            def delayed(self, *args, _original=original, **kwargs):
+                _jitter(rng)
+                return _original(self, *args, **kwargs)
 
-        setattr(TieredStore, name, delayed)
+            stack.enter_context(mock.patch.object(TieredStore, name, delayed))
+        yield
 
 
 def _train(rank: int, setup: str, nvme: str, rng: random.Random | None) -> dict:
@@ -72,13 +78,8 @@ def _worker(rank, port, out_dir):
     for setup in SETUPS:
         calm = _train(rank, setup, out_dir, None)
         rng = random.Random(1000 + rank)
-        originals = {name: getattr(TieredStore, name) for name in ("get", "release", "prefetch", "flush")}
-        _with_delays(rng)
-        try:
+        with _delays(rng):
             stressed = _train(rank, setup, out_dir, rng)
-        finally:
-            for name, method in originals.items():
-                setattr(TieredStore, name, method)
         results[setup] = all(torch.equal(calm[k], stressed[k]) for k in calm)
     finish_rank(out_dir, rank, results)
 

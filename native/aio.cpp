@@ -21,6 +21,7 @@
 #include <linux/magic.h>
 #include <sys/syscall.h>
 #include <sys/vfs.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -193,6 +194,23 @@ void finish_request(Engine* e, Request* r) {
   complete(r);
 }
 
+// CPU time the workers of every engine have spent on checksums, for
+// `offload bench step`: the CPU a swap's integrity check costs beside compute.
+std::atomic<int64_t> checksum_ns{0};
+
+int64_t thread_cpu_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+uint32_t chunk_crc(const Chunk& c) {
+  const int64_t start = thread_cpu_ns();
+  const uint32_t crc = crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
+  checksum_ns += thread_cpu_ns() - start;
+  return crc;
+}
+
 void finish_chunk(Engine* e, const Chunk& c, int64_t result) {
   Request* r = c.req;
   const char* verb = r->op == kRead ? "read" : "write";
@@ -208,7 +226,7 @@ void finish_chunk(Engine* e, const Chunk& c, int64_t result) {
                  std::string("short ") + verb + ": " + std::to_string(result) + " of " + std::to_string(c.io_len) +
                      (r->op == kRead ? " bytes (file truncated?)" : " bytes"));
   } else if (r->op == kRead && c.index != kHeaderChunk) {
-    r->chunk_crcs[c.index] = crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
+    r->chunk_crcs[c.index] = chunk_crc(c);
   }
   if (r->pending.fetch_sub(1) == 1) finish_request(e, r);
 }
@@ -223,8 +241,7 @@ int injected_fault(Engine* e, const Chunk& c) {
 }
 
 void prepare(Engine* e, const Chunk& c, int* fault) {
-  if (c.req->op == kWrite && c.index != kHeaderChunk)
-    c.req->chunk_crcs[c.index] = crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
+  if (c.req->op == kWrite && c.index != kHeaderChunk) c.req->chunk_crcs[c.index] = chunk_crc(c);
   *fault = injected_fault(e, c);
 }
 
@@ -375,6 +392,8 @@ OFFLOAD_API void offload_aio_destroy(void* engine) {
   for (auto& t : e->workers) t.join();
   delete e;
 }
+
+OFFLOAD_API int64_t offload_aio_checksum_ns() { return checksum_ns.load(); }
 
 OFFLOAD_API int offload_aio_kernel_aio_workers(void* engine) {
   return static_cast<Engine*>(engine)->kernel_aio_workers;

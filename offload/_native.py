@@ -48,6 +48,7 @@ _SIGNATURES = {
     "offload_aio_create": (_ptr, [_i64, _int, _int]),
     "offload_aio_destroy": (None, [_ptr]),
     "offload_aio_kernel_aio_workers": (_int, [_ptr]),
+    "offload_aio_checksum_ns": (_i64, []),
     "offload_aio_open": (_int, [ctypes.c_char_p, _int, _int, ctypes.POINTER(_int)]),
     "offload_aio_close": (_int, [_int]),
     "offload_aio_submit": (_ptr, [_ptr, _int, _int, ctypes.c_char_p, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64]),

@@ -95,6 +95,12 @@ def test_bench_step_reports_every_setups_critical_path(tmp_path, capsys):
     assert nvme["bytes_read"] == expected  # a write is counted when it completes, maybe in the next step: not exact
     assert nvme["io"]["bytes_read"] == nvme["io"]["bytes_written"] == expected  # these steps wait for the last one
     assert setups["cpu"]["bytes_read"] == 0
+    # The checksums cover every data byte read and written (no CRC-32C beats
+    # 100 GB/s on a core); the cpu setups' turns move nothing.
+    data = expected - 4096 * len(SubGroups.of(owned, 20_000))
+    for name in ("nvme", "nvme+overlap"):
+        assert 2 * data / 100e9 <= setups[name]["checksum_cpu_s"] <= setups[name]["wall_s"], name
+    assert setups["cpu"]["checksum_cpu_s"] == setups["cpu+dpu"]["checksum_cpu_s"] == 0.0
     for name, setup in setups.items():
         critical = setup["critical"]
         assert setup["hidden"]["optimizer"] == pytest.approx(max(0.0, setup["optimizer_work"] - critical["optimizer"]))

@@ -13,8 +13,10 @@ For each, the median step's phases on the critical path (the main thread
 waits for them: forward, backward, the gradient copy inside backward, the
 optimizer phase ``step()``) and the optimizer work done off it (on a worker,
 during backward or the next forward: hidden), the wall time per step
-(``wall_s``), and the ratios of the overlapped and delayed setups to their
-plain one.
+(``wall_s``), the CPU seconds the swap files' CRC-32C checksums took per step
+on the I/O threads (``checksum_cpu_s``: work beside the critical path that
+still competes with it for cores), and the ratios of the overlapped and
+delayed setups to their plain one.
 
 For nvme, the pipeline efficiency: the least time the disk needs for the
 optimizer's own reads and writes of one step (the slower direction's bytes
@@ -55,6 +57,7 @@ from offload.cli.progress import Progress
 from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 from offload.store import AioSettings
+from offload.store.aio import checksum_seconds
 
 SETUPS = {  # name -> (optimizer tier, offload_optimizer extras)
     "none": ("none", {}),
@@ -143,10 +146,14 @@ def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
 
 
 def _turn(engine, tokens: torch.Tensor) -> dict:
-    """Note [a turn of two steps]: the second step's measurements."""
+    """Note [a turn of two steps]: the second step's measurements, and the CPU
+    the swap files' checksums took per step, averaged over the turn's two
+    steps, whose I/O lies wholly inside it."""
+    checksums = checksum_seconds()
     _one_step(engine, tokens)
     row = _one_step(engine, tokens)
     engine.synchronize()
+    row["checksums"] = (checksum_seconds() - checksums) / 2
     return row
 
 
@@ -198,7 +205,8 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
         critical = {k: med[k] for k in ("forward", "backward", "gradient_copy", "optimizer")}
         result[setup] = {"wall_s": med["wall"], "critical": critical, "optimizer_work": med["optimizer_work"],
                          "hidden": {"optimizer": max(0.0, med["optimizer_work"] - med["optimizer"])},
-                         "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"]}
+                         "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"],
+                         "checksum_cpu_s": med["checksums"]}
         result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
     if windows:
         result["nvme"]["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
@@ -234,6 +242,7 @@ def report(r: dict) -> str:
         lines.append(f"{label:24}" + "".join(f"{v['critical'][part]:>14.3f}" for v in s.values()))
     lines.append(f"{'optimizer (hidden)':24}" + "".join(f"{v['hidden']['optimizer']:>14.3f}" for v in s.values()))
     lines.append(f"{'wall':24}" + "".join(f"{v['wall_s']:>14.3f}" for v in s.values()))
+    lines.append(f"{'swap checksums (CPU)':24}" + "".join(f"{v['checksum_cpu_s']:>14.3f}" for v in s.values()))
     if r["ratios"]:
         lines += [""] + [f"{name}: {ratio:.2f}x the step time" for name, ratio in r["ratios"].items()]
     if "pipeline_efficiency" in r:

@@ -19,6 +19,7 @@ import concurrent.futures
 import ctypes
 import os
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -293,7 +294,6 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
                             nbytes: int, chunk: int) -> int:
     import aiofiles
 
-    library = _native.lib()
     crcs = []
     offset = 0
     try:
@@ -310,13 +310,13 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
                 await f.seek(offset)
                 real = max(0, min(view.numel(), nbytes - begin))
                 if op == WRITE:
-                    crcs.append(library.offload_crc32c(view.data_ptr(), real, 0))
+                    crcs.append(_chunk_crc(view, real))
                     await f.write(view.numpy())
                 else:
                     got = await f.readinto(view.numpy())
                     if got != view.numel():
                         raise SwapIOError(f"read {file.path} at offset {offset}: short read: {got} of {view.numel()} bytes (file truncated?)")
-                    crcs.append(library.offload_crc32c(view.data_ptr(), real, 0))
+                    crcs.append(_chunk_crc(view, real))
             data_crc = _combine(crcs)
             if op == WRITE:
                 _finish_header(header, data_crc)
@@ -329,6 +329,25 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
             raise
         verb = "read" if op == READ else "write"
         raise SwapIOError(f"{verb} {file.path} at offset {offset}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+_aiofiles_checksum = [0.0]  # CPU seconds of the aiofiles engines' chunk checksums
+_aiofiles_checksum_lock = threading.Lock()
+
+
+def _chunk_crc(view: torch.Tensor, nbytes: int) -> int:
+    start = time.thread_time()
+    crc = _native.lib().offload_crc32c(view.data_ptr(), nbytes, 0)
+    with _aiofiles_checksum_lock:
+        _aiofiles_checksum[0] += time.thread_time() - start
+    return crc
+
+
+def checksum_seconds() -> float:
+    """CPU seconds this process's file engines have spent on the swap files'
+    chunk checksums so far, on their own threads (for ``offload bench step``)."""
+    native = _native.lib().offload_aio_checksum_ns() / 1e9 if _native.status().available else 0.0
+    return native + _aiofiles_checksum[0]
 
 
 def _combine(crcs: list[int]) -> int:

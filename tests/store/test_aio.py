@@ -4,6 +4,7 @@ errors that name file and offset; kernel AIO in use; CRC-32C correct."""
 import ctypes
 import errno
 import re
+import time
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 from offload import _native
 from offload.config import Config
 from offload.store import shard_file
-from offload.store.aio import READ, WRITE, AioSettings, NativeEngine, SwapIOError, _combine, make_engine
+from offload.store.aio import (READ, WRITE, AioSettings, NativeEngine, SwapIOError, _combine, checksum_seconds,
+                               make_engine)
 from offload.store.pool import PinnedPool
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
@@ -67,6 +69,30 @@ def _write_read(engine, path, payload: torch.Tensor):
     shard_file.verify(back_header.data, path, meta, 1, engine.block_size, crc)
     engine.close_file(f)
     return back.data[: meta.nbytes]
+
+
+@pytest.mark.parametrize("backend", ["native", "aiofiles"])
+def test_checksum_time_is_counted_for_reads_and_writes(tmp_path, backend):
+    """``checksum_seconds`` grows by each direction's checksum work: no CRC-32C
+    runs faster than 100 GB/s on one core, and one worker cannot spend more CPU
+    than the request's wall time."""
+    nbytes = 64 << 20
+    engine = make_engine(AioSettings(block_size=1 << 20, queue_depth=8, thread_count=1, backend=backend))
+    pool = PinnedPool(1 << 28)
+    meta = ShardMeta.of(torch.empty(nbytes, dtype=torch.uint8))
+    header, data = pool.acquire(HEADER_BYTES), pool.acquire(meta.padded_nbytes)
+    data.data.random_(0, 256)
+    shard_file.encode(header.data, meta, 1, engine.block_size)
+    f = engine.open(str(tmp_path / "s"), create=True)
+    try:
+        for op in (WRITE, READ):
+            before, start = checksum_seconds(), time.perf_counter()
+            engine.submit(op, f, header.data, data.data, meta.nbytes).wait()
+            wall, spent = time.perf_counter() - start, checksum_seconds() - before
+            assert nbytes / 100e9 <= spent <= wall, (op, spent, wall)
+    finally:
+        engine.close_file(f)
+        engine.close()
 
 
 @pytest.mark.parametrize("backend", ["native", "aiofiles"])

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "adam_args.h"
+#include "chunk_crcs.h"
 #include "errors.h"
 #include "moment_codec.h"
 #include "parallel.h"
@@ -168,6 +169,31 @@ void run_blocks(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begi
   }
 }
 
+constexpr int64_t kCrcTile = 16 * kQuantBlock;  // elements: their state and gradient stay in a core's L2
+
+// Note [checksums in the Adam pass]: a thread's range, a tile at a time, each
+// tile's new state checksummed while it is in cache.
+void run_checksummed(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end,
+                     ChunkCrcs* crcs) {
+  const bool codes = b.moment_dtype == kBlockCodes8;
+  const auto bytes = [](void* base, size_t size, int64_t i) { return static_cast<char*>(base) + i * size; };
+  ChunkCrcs::Writer param(crcs), exp_avg(crcs), exp_avg_sq(crcs), exp_avg_scale(crcs), exp_avg_sq_scale(crcs);
+  for (int64_t lo = begin; lo < end; lo += kCrcTile) {
+    const int64_t hi = std::min(end, lo + kCrcTile), n = hi - lo;
+    if (codes) run_blocks(isa, b, c, lo, hi);
+    else run_range(isa, b, c, lo, hi);
+    const size_t moment = dtype_size(b.moment_dtype), master = dtype_size(b.param_dtype);
+    param.add(bytes(b.param, master, lo), n * master);
+    exp_avg.add(bytes(b.exp_avg, moment, lo), n * moment);
+    exp_avg_sq.add(bytes(b.exp_avg_sq, moment, lo), n * moment);
+    if (codes) {
+      const int64_t first = lo / kQuantBlock, blocks = (hi - 1) / kQuantBlock + 1 - first;
+      exp_avg_scale.add(b.exp_avg_scale + first, blocks * 4);
+      exp_avg_sq_scale.add(b.exp_avg_sq_scale + first, blocks * 4);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace offload_native
 
@@ -192,7 +218,8 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
                                   int moment_dtype, float* exp_avg_scale, float* exp_avg_sq_scale, const void* grad, int grad_dtype, void* out, int out_dtype,
                                   int64_t n, double lr, double beta1, double beta2,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
-                                  double grad_scale, int threads) {
+                                  double grad_scale, int threads, const void* crc_data, int64_t crc_len,
+                                  int64_t crc_chunk, uint32_t* crc_out) {
   const AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, exp_avg_scale, exp_avg_sq_scale,
                       grad, grad_dtype, out, out_dtype};
   AdamConsts c;
@@ -201,12 +228,23 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
     return -1;
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
   const int isa = g_isa.load();
+  const int64_t align = b.moment_dtype == kBlockCodes8 ? kQuantBlock : kRangeAlign;
+  if (crc_out != nullptr) {
+    if (crc_data == nullptr || crc_len <= 0 || crc_chunk <= 0)
+      return fail("adam: checksummed data needs a pointer, a length and a chunk size > 0, got %lld and %lld",
+                  static_cast<long long>(crc_len), static_cast<long long>(crc_chunk));
+    ChunkCrcs crcs(static_cast<const uint8_t*>(crc_data), crc_len, crc_chunk, crc_out);
+    parallel_ranges(n, threads, kMinPerThread, align,
+                    [&](int64_t begin, int64_t end) { run_checksummed(isa, b, c, begin, end, &crcs); });
+    crcs.finish();
+    return 0;
+  }
   if (b.moment_dtype == kBlockCodes8) {
-    parallel_ranges(n, threads, kMinPerThread, kQuantBlock,
+    parallel_ranges(n, threads, kMinPerThread, align,
                     [&](int64_t begin, int64_t end) { run_blocks(isa, b, c, begin, end); });
     return 0;
   }
-  parallel_ranges(n, threads, kMinPerThread, kRangeAlign,
+  parallel_ranges(n, threads, kMinPerThread, align,
                   [&](int64_t begin, int64_t end) { run_range(isa, b, c, begin, end); });
   return 0;
 }

@@ -21,7 +21,6 @@
 #include <linux/magic.h>
 #include <sys/syscall.h>
 #include <sys/vfs.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -59,6 +58,7 @@ struct Request {
   int64_t header_crc_at = 0;
   bool header_queued = false;  // a write's header chunk is in the queue or in flight
   std::vector<uint32_t> chunk_crcs;
+  bool crcs_given = false;  // a write whose writer checksummed it (Note [checksums in the Adam pass])
   std::atomic<int64_t> pending{0};
   uint32_t data_crc = 0;
 
@@ -194,21 +194,9 @@ void finish_request(Engine* e, Request* r) {
   complete(r);
 }
 
-// CPU time the workers of every engine have spent on checksums, for
-// `offload bench step`: the CPU a swap's integrity check costs beside compute.
-std::atomic<int64_t> checksum_ns{0};
-
-int64_t thread_cpu_ns() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
-}
-
 uint32_t chunk_crc(const Chunk& c) {
-  const int64_t start = thread_cpu_ns();
-  const uint32_t crc = crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
-  checksum_ns += thread_cpu_ns() - start;
-  return crc;
+  ChecksumTimer timer;
+  return crc32c(c.buf, static_cast<size_t>(c.crc_len), 0);
 }
 
 void finish_chunk(Engine* e, const Chunk& c, int64_t result) {
@@ -241,7 +229,7 @@ int injected_fault(Engine* e, const Chunk& c) {
 }
 
 void prepare(Engine* e, const Chunk& c, int* fault) {
-  if (c.req->op == kWrite && c.index != kHeaderChunk) c.req->chunk_crcs[c.index] = chunk_crc(c);
+  if (c.req->op == kWrite && c.index != kHeaderChunk && !c.req->crcs_given) c.req->chunk_crcs[c.index] = chunk_crc(c);
   *fault = injected_fault(e, c);
 }
 
@@ -393,8 +381,6 @@ OFFLOAD_API void offload_aio_destroy(void* engine) {
   delete e;
 }
 
-OFFLOAD_API int64_t offload_aio_checksum_ns() { return checksum_ns.load(); }
-
 OFFLOAD_API int offload_aio_kernel_aio_workers(void* engine) {
   return static_cast<Engine*>(engine)->kernel_aio_workers;
 }
@@ -427,11 +413,13 @@ OFFLOAD_API int offload_aio_close(int fd) {
 }
 
 // Queues one request. data_io_len >= data_len is what moves (padded for direct
-// I/O); the checksum covers data_len bytes. Returns a handle for
-// offload_aio_wait, or null with the reason in offload_last_error().
+// I/O); the checksum covers data_len bytes. A write may bring its chunks' CRCs
+// (chunk_crcs, one per block_size chunk of data_len; null: the workers compute
+// them). Returns a handle for offload_aio_wait, or null with the reason in
+// offload_last_error().
 OFFLOAD_API void* offload_aio_submit(void* engine, int op, int fd, const char* path, void* header, int64_t header_len,
                                      int64_t data_crc_at, int64_t header_crc_at, void* data, int64_t data_len,
-                                     int64_t data_io_len) {
+                                     int64_t data_io_len, const uint32_t* chunk_crcs) {
   auto* e = static_cast<Engine*>(engine);
   if (op != kRead && op != kWrite) return fail("aio: op must be 0 (read) or 1 (write), got %d", op), nullptr;
   if (header == nullptr || header_len <= 0 || data_crc_at < 0 || data_crc_at + 4 > header_len ||
@@ -441,6 +429,7 @@ OFFLOAD_API void* offload_aio_submit(void* engine, int op, int fd, const char* p
     return fail("aio: bad data length %lld (io length %lld) for %s", static_cast<long long>(data_len),
                 static_cast<long long>(data_io_len), path),
            nullptr;
+  if (chunk_crcs != nullptr && op != kWrite) return fail("aio: chunk CRCs come with a write only (%s)", path), nullptr;
 
   auto* r = new Request;
   r->op = op;
@@ -452,6 +441,10 @@ OFFLOAD_API void* offload_aio_submit(void* engine, int op, int fd, const char* p
   r->header_crc_at = header_crc_at;
   const int64_t chunks = (data_io_len + e->block_size - 1) / e->block_size;
   r->chunk_crcs.assign(static_cast<size_t>(chunks), 0);
+  if (chunk_crcs != nullptr) {
+    r->chunk_crcs.assign(chunk_crcs, chunk_crcs + chunks);
+    r->crcs_given = true;
+  }
   const bool read_header = op == kRead;
   r->pending.store(chunks + (read_header ? 1 : 0));
   if (r->pending.load() == 0) {  // an empty write: only the header

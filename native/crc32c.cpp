@@ -3,7 +3,9 @@
 #include "crc32c.h"
 
 #include <nmmintrin.h>
+#include <time.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "errors.h"
@@ -100,7 +102,21 @@ __attribute__((target("sse4.2"))) uint32_t crc_sse42(const uint8_t* p, size_t n,
 
 const bool kHaveSse42 = (__builtin_cpu_init(), __builtin_cpu_supports("sse4.2"));
 
+std::atomic<int64_t> checksum_ns{0};
+
+int64_t thread_cpu_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
 }  // namespace
+
+ChecksumTimer::ChecksumTimer() : start_(thread_cpu_ns()) {}
+
+ChecksumTimer::~ChecksumTimer() { checksum_ns += thread_cpu_ns() - start_; }
+
+uint32_t crc32c_shift(uint32_t reg, size_t n) { return mul_mod_p(reg, x_pow_8n(n)); }
 
 uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -114,6 +130,8 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
 OFFLOAD_API uint32_t offload_crc32c(const void* data, int64_t n, uint32_t crc) {
   return n > 0 ? offload_native::crc32c(data, static_cast<size_t>(n), crc) : crc;
 }
+
+OFFLOAD_API int64_t offload_checksum_ns() { return offload_native::checksum_ns.load(); }
 
 // Test hook: the table path, to check it against the instruction.
 OFFLOAD_API uint32_t offload_crc32c_portable(const void* data, int64_t n, uint32_t crc) {

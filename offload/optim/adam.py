@@ -21,6 +21,7 @@ from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
 from offload.optim.hyper import AdamHyper, require
 from offload.optim.moment_codec import BlockCodes, blocks
+from offload.store.shard_file import ChunkCrcs
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BLOCK_CODES = 3  # moments as BlockCodes (Note [8-bit moments])
@@ -63,6 +64,7 @@ def adam_step(
     out: torch.Tensor | None = None,
     threads: int | None = None,
     sr_key: int | None = None,
+    checksum: ChunkCrcs | None = None,
 ) -> None:
     """Update ``param``, ``exp_avg`` and ``exp_avg_sq`` in place for Adam step ``step`` (1-based).
 
@@ -73,6 +75,9 @@ def adam_step(
     ``BlockCodes`` (Note [8-bit moments]). ``param``
     is fp32, or bf16 rounded stochastically with the noise of ``sr_key``
     (Note [stochastic rounding]; ``stochastic.step_key``).
+    ``checksum``: the swap data the state lives in, whose chunk CRCs the
+    kernel computes as it writes it (Note [checksums in the Adam pass]); the
+    fallback leaves it unfilled, and the write-back computes them.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     require((sr_key is not None) == (param.dtype == torch.bfloat16) and (sr_key is None or 0 <= sr_key < 2**32),
@@ -83,6 +88,8 @@ def adam_step(
     require(math.isfinite(grad_scale), f"grad_scale must be finite, got {grad_scale}")
     require(threads is None or (isinstance(threads, int) and 1 <= threads <= MAX_THREADS),
              f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
+    require(checksum is None or checksum.valid(),
+            "checksum must be a ChunkCrcs of contiguous uint8 data, a chunk > 0 and one int32 a chunk (ChunkCrcs.of)")
     if not _native.status().available:
         warn_fallback_once()
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key)
@@ -100,8 +107,12 @@ def adam_step(
             hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
             int(hyper.decoupled), int(hyper.bias_correction), step, grad_scale,
             threads or default_threads(),
+            *((checksum.data.data_ptr(), checksum.data.numel(), checksum.chunk, checksum.crcs.data_ptr())
+              if checksum is not None else (None, 0, 0, None)),
         )
     )
+    if checksum is not None:
+        checksum.filled = True
 
 
 def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:

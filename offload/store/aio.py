@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from offload import _native
-from offload.errors import ConfigError, SwapIOError
+from offload.errors import ConfigError, SwapIOError, UsageError
 from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT
 
 READ, WRITE = 0, 1
@@ -100,7 +100,10 @@ class FileEngine(Protocol):
 
     def open(self, path: str, create: bool) -> SwapFile: ...
 
-    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> IoHandle: ...
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int,
+               chunk_crcs: torch.Tensor | None = None) -> IoHandle:
+        """``chunk_crcs``: a write's chunk CRCs, already computed (int32 bits,
+        one per ``block_size`` chunk of ``nbytes``); None: computed here."""
 
     def close_file(self, file: SwapFile) -> None: ...
 
@@ -193,11 +196,14 @@ class NativeEngine:
         _warn_buffered(path, mode.value)
         return SwapFile(path, fd, mode.value == _DIRECT)
 
-    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> NativeHandle:
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int,
+               chunk_crcs: torch.Tensor | None = None) -> NativeHandle:
         io_len = 0 if data is None else data.numel()
+        _check_crcs(op, chunk_crcs, io_len, self.block_size)
         pointer = _native.lib().offload_aio_submit(
             self._engine, op, file.fd, os.fsencode(file.path), header.data_ptr(), HEADER_BYTES,
             DATA_CRC_AT, HEADER_CRC_AT, None if data is None else data.data_ptr(), nbytes, io_len,
+            None if chunk_crcs is None else chunk_crcs.data_ptr(),
         )
         if not pointer:
             raise SwapIOError(_native.last_error())
@@ -260,8 +266,11 @@ class AiofilesEngine:
             raise SwapIOError(f"open {path}: {exc.strerror}") from exc
         return SwapFile(path, fd, False)
 
-    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int) -> _FutureHandle:
-        coro = _aiofiles_request(op, file, header, data, nbytes, self.block_size)
+    def submit(self, op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None, nbytes: int,
+               chunk_crcs: torch.Tensor | None = None) -> _FutureHandle:
+        _check_crcs(op, chunk_crcs, 0 if data is None else data.numel(), self.block_size)
+        given = None if chunk_crcs is None else [c & 0xFFFFFFFF for c in chunk_crcs.tolist()]
+        coro = _aiofiles_request(op, file, header, data, nbytes, self.block_size, given)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._futures.add(future)
         return _FutureHandle(future, (header, data))
@@ -291,7 +300,7 @@ class _FutureHandle(_Handle):
 
 
 async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data: torch.Tensor | None,
-                            nbytes: int, chunk: int) -> int:
+                            nbytes: int, chunk: int, given: list[int] | None) -> int:
     import aiofiles
 
     crcs = []
@@ -310,7 +319,7 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
                 await f.seek(offset)
                 real = max(0, min(view.numel(), nbytes - begin))
                 if op == WRITE:
-                    crcs.append(_chunk_crc(view, real))
+                    crcs.append(given[len(crcs)] if given is not None else _chunk_crc(view, real))
                     await f.write(view.numpy())
                 else:
                     got = await f.readinto(view.numpy())
@@ -335,6 +344,17 @@ _aiofiles_checksum = [0.0]  # CPU seconds of the aiofiles engines' chunk checksu
 _aiofiles_checksum_lock = threading.Lock()
 
 
+def _check_crcs(op: int, chunk_crcs: torch.Tensor | None, io_len: int, block_size: int) -> None:
+    if chunk_crcs is None:
+        return
+    if op != WRITE:
+        raise UsageError("chunk_crcs come with a write only: a read checksums what it reads")
+    chunks = -(-io_len // block_size)
+    if chunk_crcs.dtype != torch.int32 or not chunk_crcs.is_contiguous() or chunk_crcs.numel() != chunks:
+        raise UsageError(f"chunk_crcs must be {chunks} contiguous int32 (one per {block_size}-byte chunk), "
+                         f"got {chunk_crcs.numel()} of {chunk_crcs.dtype}")
+
+
 def _chunk_crc(view: torch.Tensor, nbytes: int) -> int:
     start = time.thread_time()
     crc = _native.lib().offload_crc32c(view.data_ptr(), nbytes, 0)
@@ -344,9 +364,10 @@ def _chunk_crc(view: torch.Tensor, nbytes: int) -> int:
 
 
 def checksum_seconds() -> float:
-    """CPU seconds this process's file engines have spent on the swap files'
-    chunk checksums so far, on their own threads (for ``offload bench step``)."""
-    native = _native.lib().offload_aio_checksum_ns() / 1e9 if _native.status().available else 0.0
+    """CPU seconds this process has spent on the swap files' chunk checksums
+    so far: the file engines' threads, and the Adam passes that checksum the
+    state they write (Note [checksums in the Adam pass]), for ``offload bench step``."""
+    native = _native.lib().offload_checksum_ns() / 1e9 if _native.status().available else 0.0
     return native + _aiofiles_checksum[0]
 
 

@@ -66,6 +66,29 @@ class ShardMeta:
         return ShardMeta(tuple(tensor.shape), tensor.dtype)
 
 
+@dataclass
+class ChunkCrcs:
+    """A shard's chunk CRC-32Cs (one per ``chunk`` bytes of ``data``), left by
+    the pass that rewrites the data while its bytes are in cache, so that the
+    write-back does not read them from memory once more (Note [checksums in
+    the Adam pass] in native/chunk_crcs.h). ``crcs`` holds them as int32 bits."""
+
+    data: torch.Tensor  # the shard's bytes, uint8
+    chunk: int
+    crcs: torch.Tensor
+    filled: bool = False  # the pass ran; until then the write-back checksums the data itself
+
+    @staticmethod
+    def of(data: torch.Tensor, chunk: int) -> ChunkCrcs:
+        return ChunkCrcs(data, chunk, torch.zeros(-(-data.numel() // chunk), dtype=torch.int32))
+
+    def valid(self) -> bool:
+        """What a kernel writing through raw pointers relies on."""
+        return (self.data.dtype == torch.uint8 and self.data.is_contiguous() and self.data.numel() > 0
+                and self.data.device.type == "cpu" and self.chunk > 0 and self.crcs.dtype == torch.int32
+                and self.crcs.is_contiguous() and self.crcs.numel() == -(-self.data.numel() // self.chunk))
+
+
 def padded(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 

@@ -46,7 +46,7 @@ from offload.errors import CorruptShard, PoolExhausted, ShardLost, SwapIOError, 
 from offload.store import run_dirs, shard_file
 from offload.store.aio import READ, WRITE, AioSettings, FileEngine, IoHandle, SwapFile, make_engine
 from offload.store.pool import Buffer, PinnedPool, footprint
-from offload.store.shard_file import HEADER_BYTES, ShardMeta
+from offload.store.shard_file import HEADER_BYTES, ChunkCrcs, ShardMeta
 
 
 class Tier(str, enum.Enum):
@@ -241,16 +241,30 @@ class TieredStore:
         return [self._resident(shard) for shard in shards]
 
     @_one_thread
-    def release(self, keys: Iterable[str], dirty: bool = False) -> None:
+    def checksum_target(self, key: str) -> ChunkCrcs | None:
+        """Where a pass about to rewrite resident nvme shard ``key`` may leave
+        its chunk CRCs, for ``release`` to write with (Note [checksums in the
+        Adam pass]); None for a shard that is not written to a file."""
+        shard = self._shard(key)
+        if shard.tier is Tier.CPU or shard.meta.nbytes == 0:
+            return None
+        shard.expect(State.RESIDENT)
+        return ChunkCrcs.of(shard.buffer.data[: shard.meta.nbytes], self.engine.block_size)
+
+    @_one_thread
+    def release(self, keys: Iterable[str], dirty: bool = False, checksums: dict[str, ChunkCrcs | None] | None = None
+                ) -> None:
         """Done with these shards for now. Dirty nvme shards are written back
-        asynchronously; clean ones give their buffer back at once."""
+        asynchronously, with the CRCs in ``checksums`` that a pass filled
+        (``checksum_target``); clean ones give their buffer back at once."""
+        checksums = checksums or {}
         for key in keys:
             shard = self._shard(key)
             if shard.tier is Tier.CPU:
                 continue
             shard.expect(State.RESIDENT)
             if dirty:
-                self._start_write(shard)
+                self._start_write(shard, checksums.get(key))
             else:
                 self._return_buffers(shard)
                 shard.state = State.ON_DISK
@@ -335,11 +349,18 @@ class TieredStore:
 
     # -- transitions -------------------------------------------------------------
 
-    def _start_write(self, shard: _Shard) -> None:
+    def _start_write(self, shard: _Shard, checksum: ChunkCrcs | None = None) -> None:
+        crcs = None
+        if checksum is not None and checksum.filled:
+            if checksum.data.data_ptr() != shard.buffer.data.data_ptr() or checksum.data.numel() != shard.meta.nbytes:
+                raise UsageError(f"the checksums given for shard {shard.key!r} are of another buffer; "
+                                 "take them from checksum_target while it is resident")
+            crcs = checksum.crcs
         shard.generation += 1
         shard.header = shard.header or self._acquire(HEADER_BYTES, shard.key)
         shard_file.encode(shard.header.data, shard.meta, shard.generation, self.engine.block_size)
-        shard.handle = self.engine.submit(WRITE, shard.file, shard.header.data, shard.buffer.data, shard.meta.nbytes)
+        shard.handle = self.engine.submit(WRITE, shard.file, shard.header.data, shard.buffer.data, shard.meta.nbytes,
+                                          crcs)
         shard.state = State.WRITING
         self._writing.add(shard.key)
         self.traffic.writes += 1

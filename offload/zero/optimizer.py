@@ -36,6 +36,7 @@ from offload.optim.state_format import StateFormat
 from offload.optim.stochastic import step_key
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, TieredStore, pool_bytes
+from offload.store.shard_file import ChunkCrcs
 from offload.zero.layout import SubGroups
 from offload.zero.owned_grad import OwnedGradient
 from offload.zero.transfer import Transfer
@@ -217,27 +218,31 @@ class StoreOptimizer(ShardOptimizer):
         for i, (lo, hi) in enumerate(self.groups):
             self.store.put(self._key(i), zeros[: self.format.nbytes(hi - lo)], self.tier)
         self._open_group: int | None = None  # the sub-group write_master holds resident
+        self._checksums: dict[int, ChunkCrcs | None] = {}  # speculated sub-groups' swap data CRCs, until settled
 
     @staticmethod
     def _key(i: int) -> str:
         return f"subgroup{i:05d}"
 
     def _adam(self, i: int, buffer: torch.Tensor, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, step: int,
-              target: torch.Tensor | None) -> None:
+              target: torch.Tensor | None) -> ChunkCrcs | None:
         """Adam step ``step`` of sub-group i, whose state is ``buffer``; its new
         weights go to ``target`` in the compute dtype (in the same pass, when
         that is a low precision), or nowhere (None: the caller reads the
         master). With the master in the weights, ``target`` holds it and is
         updated in place. A bf16 master is rounded with the key of (step, i)
-        (Note [stochastic rounding])."""
+        (Note [stochastic rounding]). Returns the chunk CRCs of its swap data,
+        computed in the same pass, for the write-back (None on cpu)."""
         master, exp_avg, exp_avg_sq = self._views(i, buffer, target if self.master_in_weights else None)
         separate = target is not None and not self.master_in_weights
         low_precision = separate and target.dtype != torch.float32
         sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
+        checksum = self.store.checksum_target(self._key(i))
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
-                  out=target if low_precision else None, threads=self.threads, sr_key=sr_key)
+                  out=target if low_precision else None, threads=self.threads, sr_key=sr_key, checksum=checksum)
         if separate and not low_precision:
             target.copy_(master)
+        return checksum
 
     def _views(self, i: int, buffer: torch.Tensor, master: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,14 +301,16 @@ class StoreOptimizer(ShardOptimizer):
             g = grad.read(i)
             self.times.swap_wait += time.perf_counter() - start
 
+            checksums = {}
+
             def update(target: torch.Tensor) -> None:
                 start = time.perf_counter()
-                self._adam(i, buffer, g, grad_scale, hyper, self.step_count, target)
+                checksums[self._key(i)] = self._adam(i, buffer, g, grad_scale, hyper, self.step_count, target)
                 self.times.adam += time.perf_counter() - start
 
             self._hand_over(weights, lo, hi, update, current=self.master_in_weights)
             grad.done(i)
-            self.store.release([self._key(i)], dirty=True)
+            self.store.release([self._key(i)], dirty=True, checksums=checksums)
             if not self.pipeline_write:
                 start = time.perf_counter()
                 self.store.flush()
@@ -329,7 +336,7 @@ class StoreOptimizer(ShardOptimizer):
             return None
         if backup is not None:
             backup.copy_(buffer)
-        self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
+        self._checksums[i] = self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
         return self._views(i, buffer)[0] if weights is None else weights
 
     def backup_nbytes(self, n: int) -> int:
@@ -341,8 +348,9 @@ class StoreOptimizer(ShardOptimizer):
     def settle(self, i: int, backup: torch.Tensor | None, keep: bool) -> None:
         """A speculated sub-group's step stands (written back on nvme) or is
         undone: its state as ``speculate`` found it."""
+        checksum = self._checksums.pop(i, None)
         if self.tier == "nvme":
-            self.store.release([self._key(i)], dirty=keep)
+            self.store.release([self._key(i)], dirty=keep, checksums={self._key(i): checksum})
         elif not keep:
             self.store.overwrite(self._key(i), backup)
 

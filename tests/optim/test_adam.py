@@ -309,9 +309,20 @@ def test_native_checks_what_it_is_given():
         "scales overlap": ((p, 0, 0, p + 256, p + 320, 3, p + 384, p + 384, p + 768, 0, None, 0, 8) + common,
                            "exp_avg_scale and exp_avg_sq_scale overlap"),
     }
+    no_checksum = (None, 0, 0, None)
+    crcs = torch.zeros(1, dtype=torch.int32)
+    checksum_cases = {
+        "no length": (p + 256, 0, 4096, crcs.data_ptr()),
+        "no chunk": (p + 256, 1024, 0, crcs.data_ptr()),
+        "no data": (None, 1024, 4096, crcs.data_ptr()),
+    }
+    args = (p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8) + common
+    for checksum in checksum_cases.values():
+        with pytest.raises(_native.NativeError, match="checksummed data needs a pointer, a length and a chunk size"):
+            _native.check(step(*args, *checksum))
     for args, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):
-            _native.check(step(*args))
+            _native.check(step(*args, *no_checksum))
     assert all(buf == 0)  # nothing was written
 
 

@@ -10,11 +10,15 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
+from offload import _native
+from offload.errors import UsageError
 from offload.store import AioSettings, PoolExhausted, ShardLost, State, SwapIOError, TieredStore
 from offload.store import shard_file
+from offload.store.aio import READ
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
 from .conftest import BACKENDS, requires_native
@@ -93,6 +97,58 @@ def test_write_back_after_eviction_then_read(tmp_path, backend):
         clean = store.get(["w"])[0].clone()
         store.release(["w"], dirty=False)
         assert store.state("w") is State.ON_DISK and torch.equal(store.get(["w"])[0], clean)
+
+
+def _crcs(data: torch.Tensor, chunk: int) -> torch.Tensor:
+    lib = _native.lib()
+    crcs = [lib.offload_crc32c(data.data_ptr() + at, min(chunk, data.numel() - at), 0) for at in range(0, data.numel(), chunk)]
+    return torch.from_numpy(np.array(crcs, dtype=np.uint32).view(np.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_back_takes_the_crcs_its_writer_left(tmp_path, backend):
+    """Note [checksums in the Adam pass]: the chunk CRCs a pass filled are the
+    ones written, not computed again: right ones read back, a wrong one makes
+    the next read fail; left unfilled, the engine computes them."""
+    n = 5000  # 20000 bytes: three 8192-byte chunks
+    with _store(tmp_path, backend) as store:
+        for key in "wxy":
+            store.put(key, torch.zeros(n), "nvme")
+        store.flush()
+        for key in "wxy":
+            (t,) = store.get([key])
+            t.add_(1.5)
+            target = store.checksum_target(key)
+            target.crcs.copy_(_crcs(t.view(torch.uint8), 8192))
+            if key == "x":
+                target.crcs[1] ^= 1
+            target.filled = key != "y"
+            if key == "y":
+                target.crcs.zero_()
+            store.release([key], dirty=True, checksums={key: target})
+        store.flush()
+        assert torch.equal(store.get(["w"])[0], torch.full((n,), 1.5))
+        assert torch.equal(store.get(["y"])[0], torch.full((n,), 1.5))
+        with pytest.raises(ShardLost, match="data checksum mismatch"):
+            store.get(["x"])
+
+
+def test_crcs_of_another_buffer_or_for_a_read_are_refused(tmp_path):
+    with _store(tmp_path) as store:
+        store.put("a", torch.zeros(5000), "nvme")
+        store.put("b", torch.zeros(5000), "nvme")
+        store.put("c", torch.zeros(5000), "cpu")
+        store.flush()
+        assert store.checksum_target("c") is None  # a cpu shard is never written to a file
+        store.get(["a", "b"])
+        of_a = store.checksum_target("a")
+        of_a.filled = True
+        with pytest.raises(UsageError, match="checksums given for shard 'b' are of another buffer"):
+            store.release(["b"], dirty=True, checksums={"b": of_a})
+        shard = store._shard("a")
+        with pytest.raises(UsageError, match="chunk_crcs come with a write only"):
+            store.engine.submit(READ, shard.file, torch.zeros(HEADER_BYTES, dtype=torch.uint8), shard.buffer.data,
+                                shard.meta.nbytes, of_a.crcs)
 
 
 def test_get_while_writing_keeps_the_buffer(tmp_path):

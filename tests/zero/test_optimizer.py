@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from offload import _native
+from offload.store.aio import WRITE
 
 from .harness import batch, config, make_model, train_engine
 
@@ -55,3 +56,35 @@ def test_pipelining_changes_when_not_what(tmp_path):
     for read in (True, False):
         assert results[(read, False)][1]["flushes"] == steps * groups  # each write-back waited for before the next
         assert results[(read, True)][1]["flushes"] == 0
+
+
+@pytest.mark.parametrize("overlap_step", [False, True], ids=["plain", "overlap_step"])
+def test_every_write_back_of_a_step_brings_its_adam_pass_crcs(tmp_path, overlap_step):
+    """Note [checksums in the Adam pass]: a stepped sub-group's state is not
+    read once more to checksum it, whether its step ran in step() or during
+    backward (kept), and every byte of it was checksummed in the pass."""
+    cfg = config(2, "nvme", 2, str(tmp_path), offload_optimizer={"overlap_step": overlap_step, "buffer_count": 6})
+    cfg["gradient_clipping"] = 1e6  # never binds: the speculated steps are kept
+    cfg["zero_optimization"]["sub_group_size"] = 300
+    engine = train_engine(make_model(), 1, 2, cfg)
+    store = engine.optimizer.store
+    writes = []
+    real_submit = store.engine.submit
+
+    def submit(op, file, header, data, nbytes, chunk_crcs=None):
+        if op == WRITE:
+            writes.append(chunk_crcs is not None)
+        return real_submit(op, file, header, data, nbytes, chunk_crcs)
+
+    store.engine.submit = submit
+    from_memory = _native.lib().offload_checksum_from_memory_bytes()
+    for step in range(1, STEPS):
+        for micro in range(2):
+            engine.backward(engine(batch(step, micro, 0)))
+            engine.step()
+    engine.optimizer.flush()
+    kept = engine.update.kept if overlap_step else 0
+    engine.close()
+    assert len(writes) == (STEPS - 1) * len(engine.optimizer.groups) and all(writes)
+    assert _native.lib().offload_checksum_from_memory_bytes() == from_memory
+    assert (kept >= 3 * (STEPS - 1)) == overlap_step  # several sub-groups a step were stepped during backward

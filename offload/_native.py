@@ -44,7 +44,7 @@ _SIGNATURES = {
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),
     "offload_stream_triad": (_int, [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _int]),
     "offload_crc32c": (ctypes.c_uint32, [_ptr, _i64, ctypes.c_uint32]),
-    "offload_crc32c_portable": (ctypes.c_uint32, [_ptr, _i64, ctypes.c_uint32]),
+    "offload_crc32c_way": (_int, [_int, _ptr, _i64, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]),
     "offload_aio_create": (_ptr, [_i64, _int, _int]),
     "offload_aio_destroy": (None, [_ptr]),
     "offload_aio_kernel_aio_workers": (_int, [_ptr]),

@@ -20,20 +20,31 @@ from offload.store.shard_file import HEADER_BYTES, ShardMeta
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
 
-def test_crc32c_known_value_and_both_paths_agree():
+def _crc_way(way: int, data: torch.Tensor, n: int, start: int) -> int | None:
+    """The CRC by one way (0 table, 1 crc32 instruction, 2 AVX-512 folding), None where the CPU lacks it."""
+    out = ctypes.c_uint32(0)
+    return out.value if _native.lib().offload_crc32c_way(way, data.data_ptr(), n, start, ctypes.byref(out)) == 0 else None
+
+
+def test_crc32c_known_value_and_every_way_agrees():
     data = b"123456789"
     buf = ctypes.create_string_buffer(data, len(data))
     assert _native.lib().offload_crc32c(buf, len(data), 0) == 0xE3069283  # the standard check value
-    blob = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    blob = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     fast = _native.lib().offload_crc32c(blob.data_ptr(), blob.numel(), 0)
-    assert fast == _native.lib().offload_crc32c_portable(blob.data_ptr(), blob.numel(), 0)
+    assert fast == _crc_way(0, blob, blob.numel(), 0)
     first = _native.lib().offload_crc32c(blob.data_ptr(), 50_000, 0)
     assert _native.lib().offload_crc32c(blob.data_ptr() + 50_000, 50_003, first) == fast
-    # Long buffers run as three joined chains: every split and tail length, any starting CRC.
-    for n in [*range(3000, 3200), 24 * 4096 + 23, 100_003]:
+    # The instruction runs three joined chains and the folding 256-byte strides, then 64- and 16-byte
+    # steps and a tail: every split and tail length, from every alignment, with any starting CRC.
+    lengths = [*range(256, 600), *range(3000, 3200), 24 * 4096 + 23, 100_000]
+    ways = [way for way in (1, 2) if _crc_way(way, blob, 256, 0) is not None]
+    for n in lengths:
         start = (n * 2654435761) % 2**32
-        assert (_native.lib().offload_crc32c(blob.data_ptr(), n, start)
-                == _native.lib().offload_crc32c_portable(blob.data_ptr(), n, start)), n
+        data = blob[n % 61 :]
+        want = _crc_way(0, data, n, start)
+        assert _native.lib().offload_crc32c(data.data_ptr(), n, start) == want, n
+        assert all(_crc_way(way, data, n, start) == want for way in ways), n
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 1000), ("queue_depth", 0), ("thread_count", 0), ("backend", "uring")])

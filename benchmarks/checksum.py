@@ -5,7 +5,7 @@
 Two tables, each measured in interleaved rounds in one process, medians:
 
 1. CRC-32C throughput of each way this CPU has (the slice-by-8 table, the
-   crc32 instruction, AVX-512 carry-less folding; Note [folding] in
+   crc32 instruction, AVX-512 and AVX2 carry-less folding; Note [folding] in
    native/crc32c.cpp), one thread, on 512 KiB in a core's cache (as the Adam
    pass checksums its tiles) and on sub-group-sized buffers read cold from
    memory (as the I/O thread checksums what the disk read), against a sum
@@ -33,7 +33,7 @@ from offload.optim import AdamHyper, adam_step
 from offload.optim.state_format import StateFormat
 from offload.store.shard_file import ChunkCrcs
 
-WAYS = {"table": 0, "crc32 instruction": 1, "AVX-512 folding": 2}
+WAYS = {"table": 0, "crc32 instruction": 1, "AVX-512 folding": 2, "AVX2 folding": 3}
 CHUNK = 8 << 20  # the block size of `offload bench step`
 HOT, HOT_REPEATS = 512 << 10, 32  # fits the L2 of the cores we run on
 

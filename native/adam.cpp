@@ -169,7 +169,7 @@ void run_blocks(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begi
   }
 }
 
-constexpr int64_t kCrcTile = 16 * kQuantBlock;  // elements: their state and gradient stay in a core's L2
+constexpr int64_t kCrcTile = 8 * kQuantBlock;  // elements: their fp32 state and gradient (256 KiB) stay in a core's L2
 
 // Note [checksums in the Adam pass]: a thread's range, a tile at a time, each
 // tile's new state checksummed while it is in cache.

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not _native.status().available, reason="native l
 
 
 def _crc_way(way: int, data: torch.Tensor, n: int, start: int) -> int | None:
-    """The CRC by one way (0 table, 1 crc32 instruction, 2 AVX-512 folding), None where the CPU lacks it."""
+    """The CRC by one way (0 table, 1 crc32 instruction, 2 AVX-512 folding, 3 AVX2 folding), None where the CPU lacks it."""
     out = ctypes.c_uint32(0)
     return out.value if _native.lib().offload_crc32c_way(way, data.data_ptr(), n, start, ctypes.byref(out)) == 0 else None
 
@@ -35,10 +35,11 @@ def test_crc32c_known_value_and_every_way_agrees():
     assert fast == _crc_way(0, blob, blob.numel(), 0)
     first = _native.lib().offload_crc32c(blob.data_ptr(), 50_000, 0)
     assert _native.lib().offload_crc32c(blob.data_ptr() + 50_000, 50_003, first) == fast
-    # The instruction runs three joined chains and the folding 256-byte strides, then 64- and 16-byte
-    # steps and a tail: every split and tail length, from every alignment, with any starting CRC.
-    lengths = [*range(256, 600), *range(3000, 3200), 24 * 4096 + 23, 100_000]
-    ways = [way for way in (1, 2) if _crc_way(way, blob, 256, 0) is not None]
+    # The instruction runs three joined chains and the foldings 256- or 128-byte strides, then 64- or
+    # 32-byte and 16-byte steps and a tail: every split and tail length, from many alignments, with any
+    # starting CRC.
+    lengths = [*range(256, 700), *range(3000, 3200), 24 * 4096 + 23, 100_000]
+    ways = [way for way in (1, 2, 3) if _crc_way(way, blob, 256, 0) is not None]
     for n in lengths:
         start = (n * 2654435761) % 2**32
         data = blob[n % 61 :]

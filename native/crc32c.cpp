@@ -3,7 +3,6 @@
 // when it has that, else by a slice-by-8 table. All give the same value.
 #include "crc32c.h"
 
-#include <immintrin.h>
 #include <nmmintrin.h>
 #include <time.h>
 
@@ -59,8 +58,9 @@ uint32_t mul_mod_p(uint32_t a, uint32_t b) {
   return product;
 }
 
-// x^e modulo the polynomial, bit-reflected.
-uint32_t x_pow(uint64_t e) {
+}  // namespace
+
+uint32_t crc32c_x_pow(uint64_t e) {
   uint32_t result = 1u << 31, square = 1u << 30;  // x^0, x^1
   for (; e != 0; e >>= 1) {
     if (e & 1) result = mul_mod_p(result, square);
@@ -69,8 +69,10 @@ uint32_t x_pow(uint64_t e) {
   return result;
 }
 
+namespace {
+
 // x^(8 n): multiplying a CRC register by it is what running it over n zero bytes does.
-uint32_t x_pow_8n(size_t n) { return x_pow(8 * static_cast<uint64_t>(n)); }
+uint32_t x_pow_8n(size_t n) { return crc32c_x_pow(8 * static_cast<uint64_t>(n)); }
 
 inline uint64_t load_u64(const uint8_t* p) {
   uint64_t word;
@@ -104,108 +106,8 @@ __attribute__((target("sse4.2"))) uint32_t crc_sse42(const uint8_t* p, size_t n,
   return c32;
 }
 
-// Note [folding]
-// Read as a polynomial over GF(2), the data's CRC register is its remainder
-// modulo P (times x^32), so any part of it may be replaced by something
-// congruent. A 128-bit lane A that lies d bits before lane B becomes
-// A_hi x^(d+64) + A_lo x^d, with both powers reduced modulo P to 32 bits, and
-// is added into B: a lane less, same remainder. Four registers of lanes
-// (sixteen lanes with AVX-512, eight with AVX2) are folded a whole stride
-// ahead at once, then into each other, then the lanes of the last register
-// into each other, leaving one lane X before a tail of r < 16 bytes; the register
-// of X followed by the tail is the register of the data, which the crc32
-// instruction finishes. In the bit-reflected order of the data, lane bit i
-// holds x^(127-i): a 64-bit half times the constant (x^(e-1) mod P) << 32
-// lands on the lane's bits of x^e times it, the missing x coming from the
-// carry-less product's one-bit offset.
-struct FoldKey {
-  uint64_t lo, hi;  // multiply a lane's low half (its high powers) and high half
-  explicit FoldKey(uint64_t d)
-      : lo(static_cast<uint64_t>(x_pow(d + 63)) << 32), hi(static_cast<uint64_t>(x_pow(d - 1)) << 32) {}
-};
-
-const FoldKey kStride512(2048), kRegister512(512), kStride256(1024), kRegister256(256), kLane(128);
-constexpr size_t kFoldMin = 1024;  // shorter: the crc32 instruction's three chains are as fast
-
-__attribute__((target("avx512f,vpclmulqdq"))) inline __m512i fold512(__m512i a, __m512i key, __m512i next) {
-  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, key, 0x00), _mm512_clmulepi64_epi128(a, key, 0x11),
-                                   next, 0x96);  // a ^ b ^ c
-}
-
-__attribute__((target("pclmul,sse4.1"))) inline __m128i fold128(__m128i a, __m128i key, __m128i next) {
-  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(a, key, 0x00), _mm_clmulepi64_si128(a, key, 0x11)), next);
-}
-
-__attribute__((target("avx512f"))) inline __m512i key512(const FoldKey& k) {
-  return _mm512_broadcast_i32x4(_mm_set_epi64x(static_cast<int64_t>(k.hi), static_cast<int64_t>(k.lo)));
-}
-
-// Note [folding]: x, the lanes of the last register folded into one, then the rest.
-__attribute__((target("pclmul,sse4.2"))) uint32_t finish_folded(__m128i x, const uint8_t* p, size_t n) {
-  const __m128i lane = _mm_set_epi64x(static_cast<int64_t>(kLane.hi), static_cast<int64_t>(kLane.lo));
-  for (; n >= 16; p += 16, n -= 16) x = fold128(x, lane, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
-  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
-  for (; n >= 8; p += 8, n -= 8) c = _mm_crc32_u64(c, load_u64(p));
-  uint32_t c32 = static_cast<uint32_t>(c);
-  for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, *p);
-  return c32;
-}
-
-// Note [folding]; n >= 256.
-__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) uint32_t crc_fold512(const uint8_t* p, size_t n,
-                                                                                  uint32_t crc) {
-  const __m512i stride = key512(kStride512), reg = key512(kRegister512);
-  __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
-  __m512i a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128), a3 = _mm512_loadu_si512(p + 192);
-  for (p += 256, n -= 256; n >= 256; p += 256, n -= 256) {
-    a0 = fold512(a0, stride, _mm512_loadu_si512(p));
-    a1 = fold512(a1, stride, _mm512_loadu_si512(p + 64));
-    a2 = fold512(a2, stride, _mm512_loadu_si512(p + 128));
-    a3 = fold512(a3, stride, _mm512_loadu_si512(p + 192));
-  }
-  a3 = fold512(fold512(fold512(a0, reg, a1), reg, a2), reg, a3);
-  for (; n >= 64; p += 64, n -= 64) a3 = fold512(a3, reg, _mm512_loadu_si512(p));
-  const __m128i lane = _mm_set_epi64x(static_cast<int64_t>(kLane.hi), static_cast<int64_t>(kLane.lo));
-  __m128i x = _mm512_extracti32x4_epi32(a3, 0);
-  x = fold128(x, lane, _mm512_extracti32x4_epi32(a3, 1));
-  x = fold128(x, lane, _mm512_extracti32x4_epi32(a3, 2));
-  x = fold128(x, lane, _mm512_extracti32x4_epi32(a3, 3));
-  return finish_folded(x, p, n);
-}
-
-__attribute__((target("avx2,vpclmulqdq"))) inline __m256i fold256(__m256i a, __m256i key, __m256i next) {
-  return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(a, key, 0x00),
-                                           _mm256_clmulepi64_epi128(a, key, 0x11)), next);
-}
-
-__attribute__((target("avx2"))) inline __m256i key256(const FoldKey& k) {
-  return _mm256_broadcastsi128_si256(_mm_set_epi64x(static_cast<int64_t>(k.hi), static_cast<int64_t>(k.lo)));
-}
-
-__attribute__((target("avx2"))) inline __m256i load256(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-// Note [folding], for CPUs with 256-bit VPCLMULQDQ but no AVX-512 (AMD Zen 3); n >= 128.
-__attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2"))) uint32_t crc_fold256(const uint8_t* p, size_t n,
-                                                                               uint32_t crc) {
-  const __m256i stride = key256(kStride256), reg = key256(kRegister256);
-  __m256i a0 = _mm256_xor_si256(load256(p), _mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(crc))));
-  __m256i a1 = load256(p + 32), a2 = load256(p + 64), a3 = load256(p + 96);
-  for (p += 128, n -= 128; n >= 128; p += 128, n -= 128) {
-    a0 = fold256(a0, stride, load256(p));
-    a1 = fold256(a1, stride, load256(p + 32));
-    a2 = fold256(a2, stride, load256(p + 64));
-    a3 = fold256(a3, stride, load256(p + 96));
-  }
-  a3 = fold256(fold256(fold256(a0, reg, a1), reg, a2), reg, a3);
-  for (; n >= 32; p += 32, n -= 32) a3 = fold256(a3, reg, load256(p));
-  const __m128i lane = _mm_set_epi64x(static_cast<int64_t>(kLane.hi), static_cast<int64_t>(kLane.lo));
-  return finish_folded(fold128(_mm256_castsi256_si128(a3), lane, _mm256_extracti128_si256(a3, 1)), p, n);
-}
-
 const bool kHaveSse42 = (__builtin_cpu_init(), __builtin_cpu_supports("sse4.2"));
+constexpr size_t kFoldMin = 1024;  // shorter: the crc32 instruction's three chains are as fast
 const bool kHaveFold512 = kHaveSse42 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") &&
                           __builtin_cpu_supports("pclmul");
 const bool kHaveFold256 = kHaveSse42 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
@@ -230,8 +132,8 @@ uint32_t crc32c_shift(uint32_t reg, size_t n) { return mul_mod_p(reg, x_pow_8n(n
 uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
   const auto* p = static_cast<const uint8_t*>(data);
   crc = ~crc;
-  if (kHaveFold512 && n >= kFoldMin) crc = crc_fold512(p, n, crc);
-  else if (kHaveFold256 && n >= kFoldMin) crc = crc_fold256(p, n, crc);
+  if (kHaveFold512 && n >= kFoldMin) crc = crc_fold_avx512(p, n, crc);
+  else if (kHaveFold256 && n >= kFoldMin) crc = crc_fold_avx2(p, n, crc);
   else crc = kHaveSse42 ? crc_sse42(p, n, crc) : crc_table(p, n, crc);
   return ~crc;
 }
@@ -253,8 +155,8 @@ OFFLOAD_API int offload_crc32c_way(int way, const void* data, int64_t n, uint32_
   const auto len = static_cast<size_t>(n);
   if (way == 0) *out = ~crc_table(p, len, ~crc);
   else if (way == 1 && kHaveSse42) *out = ~crc_sse42(p, len, ~crc);
-  else if (way == 2 && kHaveFold512 && n >= 256) *out = ~crc_fold512(p, len, ~crc);
-  else if (way == 3 && kHaveFold256 && n >= 128) *out = ~crc_fold256(p, len, ~crc);
+  else if (way == 2 && kHaveFold512 && n >= 256) *out = ~crc_fold_avx512(p, len, ~crc);
+  else if (way == 3 && kHaveFold256 && n >= 128) *out = ~crc_fold_avx2(p, len, ~crc);
   else return fail("crc32c: way %d is not available on this CPU for %lld bytes", way, static_cast<long long>(n));
   return 0;
 }

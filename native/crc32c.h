@@ -13,6 +13,15 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc);
 // must be moved to join it with what follows it (chunk_crcs.h).
 uint32_t crc32c_shift(uint32_t reg, size_t n);
 
+// x^e modulo the polynomial, bit-reflected (bit 31 is x^0).
+uint32_t crc32c_x_pow(uint64_t e);
+
+// The CRC register after `reg` runs over p[0, n), by folding (crc_fold.h),
+// n >= 256 and n >= 128; each is compiled for its ISA, so callers check that
+// the CPU has AVX-512F or AVX2, and VPCLMULQDQ, PCLMULQDQ and SSE4.2.
+uint32_t crc_fold_avx512(const uint8_t* p, size_t n, uint32_t reg);
+uint32_t crc_fold_avx2(const uint8_t* p, size_t n, uint32_t reg);
+
 // Times the swap checksums of its scope by the thread's CPU clock, into the
 // total offload_checksum_ns reports (for `offload bench step`: the CPU they
 // take beside compute, whichever thread runs them).

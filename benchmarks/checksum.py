@@ -6,7 +6,7 @@ Two tables, each measured in interleaved rounds in one process, medians:
 
 1. CRC-32C throughput of each way this CPU has (the slice-by-8 table, the
    crc32 instruction, AVX-512 and AVX2 carry-less folding; Note [folding] in
-   native/crc32c.cpp), one thread, on 512 KiB in a core's cache (as the Adam
+   native/crc_fold.h), one thread, on 512 KiB in a core's cache (as the Adam
    pass checksums its tiles) and on sub-group-sized buffers read cold from
    memory (as the I/O thread checksums what the disk read), against a sum
    of the same bytes as float32 (torch, one thread): the memory bound.

@@ -7,6 +7,7 @@
 
 #include "adam_args.h"
 #include "chunk_crcs.h"
+#include "crc32c.h"
 #include "errors.h"
 #include "moment_codec.h"
 #include "parallel.h"
@@ -183,6 +184,7 @@ void run_checksummed(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t
     if (codes) run_blocks(isa, b, c, lo, hi);
     else run_range(isa, b, c, lo, hi);
     const size_t moment = dtype_size(b.moment_dtype), master = dtype_size(b.param_dtype);
+    ChecksumTimer timer;
     param.add(bytes(b.param, master, lo), n * master);
     exp_avg.add(bytes(b.exp_avg, moment, lo), n * moment);
     exp_avg_sq.add(bytes(b.exp_avg_sq, moment, lo), n * moment);

@@ -17,7 +17,6 @@ void ChunkCrcs::Writer::add(const void* p, int64_t n) {
   const auto* bytes = static_cast<const uint8_t*>(p);
   const uint8_t* base = target_->data_;
   if (bytes < base || bytes >= base + target_->len_) return;
-  ChecksumTimer timer;
   int64_t at = bytes - base;
   n = std::min(n, target_->len_ - at);
   while (n > 0) {

@@ -35,7 +35,8 @@ class ChunkCrcs {
     ~Writer() { flush(); }
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
-    // Bytes [p, p + n) were just written; those outside the data are not its business.
+    // Bytes [p, p + n) were just written; those outside the data are not its
+    // business. The caller times its adds (ChecksumTimer, crc32c.h).
     void add(const void* p, int64_t n);
 
    private:

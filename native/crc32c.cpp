@@ -151,6 +151,7 @@ OFFLOAD_API int64_t offload_checksum_ns() { return offload_native::checksum_ns.l
 // against each other; -1 if this CPU lacks it.
 OFFLOAD_API int offload_crc32c_way(int way, const void* data, int64_t n, uint32_t crc, uint32_t* out) {
   using namespace offload_native;
+  if (n < 0) return fail("crc32c: n must be >= 0, got %lld", static_cast<long long>(n));
   const auto* p = static_cast<const uint8_t*>(data);
   const auto len = static_cast<size_t>(n);
   if (way == 0) *out = ~crc_table(p, len, ~crc);

@@ -10,10 +10,11 @@
 // A_hi x^(d+64) + A_lo x^d, with both powers reduced modulo P to 32 bits, and
 // is added into B: a lane less, same remainder. Four registers of lanes
 // (sixteen lanes with AVX-512, eight with AVX2) are folded a whole stride
-// ahead at once, then into each other, then the lanes of the last register
-// into each other, leaving one lane X before a tail of r < 16 bytes; the
-// register of X followed by the tail is the register of the data, which the
-// crc32 instruction finishes. In the bit-reflected order of the data, lane
+// ahead at once, then into each other, then one register ahead over the whole
+// registers left, then the lanes of that register into each other and one lane
+// ahead over the whole lanes left, leaving one lane X before a tail of r < 16
+// bytes; the register of X followed by the tail is the register of the data,
+// which the crc32 instruction finishes. In the bit-reflected order of the data, lane
 // bit i holds x^(127-i): a 64-bit half times the constant (x^(e-1) mod P) << 32
 // lands on the lane's bits of x^e times it, the missing x coming from the
 // carry-less product's one-bit offset.

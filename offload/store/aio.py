@@ -350,9 +350,10 @@ def _check_crcs(op: int, chunk_crcs: torch.Tensor | None, io_len: int, block_siz
     if op != WRITE:
         raise UsageError("chunk_crcs come with a write only: a read checksums what it reads")
     chunks = -(-io_len // block_size)
-    if chunk_crcs.dtype != torch.int32 or not chunk_crcs.is_contiguous() or chunk_crcs.numel() != chunks:
-        raise UsageError(f"chunk_crcs must be {chunks} contiguous int32 (one per {block_size}-byte chunk), "
-                         f"got {chunk_crcs.numel()} of {chunk_crcs.dtype}")
+    if (chunk_crcs.dtype != torch.int32 or chunk_crcs.device.type != "cpu" or not chunk_crcs.is_contiguous()
+            or chunk_crcs.numel() != chunks):
+        raise UsageError(f"chunk_crcs must be {chunks} contiguous int32 in host memory (one per {block_size}-byte "
+                         f"chunk), got {chunk_crcs.numel()} of {chunk_crcs.dtype} on {chunk_crcs.device}")
 
 
 def _chunk_crc(view: torch.Tensor, nbytes: int) -> int:

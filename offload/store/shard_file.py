@@ -86,7 +86,8 @@ class ChunkCrcs:
         """What a kernel writing through raw pointers relies on."""
         return (self.data.dtype == torch.uint8 and self.data.is_contiguous() and self.data.numel() > 0
                 and self.data.device.type == "cpu" and self.chunk > 0 and self.crcs.dtype == torch.int32
-                and self.crcs.is_contiguous() and self.crcs.numel() == -(-self.data.numel() // self.chunk))
+                and self.crcs.device.type == "cpu" and self.crcs.is_contiguous()
+                and self.crcs.numel() == -(-self.data.numel() // self.chunk))
 
 
 def padded(nbytes: int) -> int:

@@ -352,8 +352,9 @@ class TieredStore:
     def _start_write(self, shard: _Shard, checksum: ChunkCrcs | None = None) -> None:
         crcs = None
         if checksum is not None and checksum.filled:
-            if checksum.data.data_ptr() != shard.buffer.data.data_ptr() or checksum.data.numel() != shard.meta.nbytes:
-                raise UsageError(f"the checksums given for shard {shard.key!r} are of another buffer; "
+            if (checksum.data.data_ptr() != shard.buffer.data.data_ptr() or checksum.data.numel() != shard.meta.nbytes
+                    or checksum.chunk != self.engine.block_size or not checksum.valid()):
+                raise UsageError(f"the checksums given for shard {shard.key!r} are of another buffer or chunk size; "
                                  "take them from checksum_target while it is resident")
             crcs = checksum.crcs
         shard.generation += 1

@@ -38,7 +38,7 @@ def test_crc32c_known_value_and_every_way_agrees():
     # The instruction runs three joined chains and the foldings 256- or 128-byte strides, then 64- or
     # 32-byte and 16-byte steps and a tail: every split and tail length, from many alignments, with any
     # starting CRC.
-    lengths = [*range(256, 700), *range(3000, 3200), 24 * 4096 + 23, 100_000]
+    lengths = [*range(256, 700), *range(3000, 3200), 24 * 4096 + 23, 60_000]  # + 60 of offset: inside blob
     ways = [way for way in (1, 2, 3) if _crc_way(way, blob, 256, 0) is not None]
     for n in lengths:
         start = (n * 2654435761) % 2**32

@@ -145,6 +145,10 @@ def test_crcs_of_another_buffer_or_for_a_read_are_refused(tmp_path):
         of_a.filled = True
         with pytest.raises(UsageError, match="checksums given for shard 'b' are of another buffer"):
             store.release(["b"], dirty=True, checksums={"b": of_a})
+        of_a.chunk = 9000  # 20000 bytes: three chunks, as at the store's 8192, but not the ones the file is read in
+        with pytest.raises(UsageError, match="checksums given for shard 'a' are of another buffer or chunk size"):
+            store.release(["a"], dirty=True, checksums={"a": of_a})
+        assert store.state("a") is State.RESIDENT
         shard = store._shard("a")
         with pytest.raises(UsageError, match="chunk_crcs come with a write only"):
             store.engine.submit(READ, shard.file, torch.zeros(HEADER_BYTES, dtype=torch.uint8), shard.buffer.data,

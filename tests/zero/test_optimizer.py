@@ -83,6 +83,9 @@ def test_every_write_back_of_a_step_brings_its_adam_pass_crcs(tmp_path, overlap_
             engine.backward(engine(batch(step, micro, 0)))
             engine.step()
     engine.optimizer.flush()
+    for key in store.keys():  # the last step's write-backs read back verified
+        store.get([key])
+        store.release([key])
     kept = engine.update.kept if overlap_step else 0
     engine.close()
     assert len(writes) == (STEPS - 1) * len(engine.optimizer.groups) and all(writes)

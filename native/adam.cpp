@@ -178,12 +178,12 @@ void run_checksummed(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t
                      ChunkCrcs* crcs) {
   const bool codes = b.moment_dtype == kBlockCodes8;
   const auto bytes = [](void* base, size_t size, int64_t i) { return static_cast<char*>(base) + i * size; };
+  const size_t moment = dtype_size(b.moment_dtype), master = dtype_size(b.param_dtype);
   ChunkCrcs::Writer param(crcs), exp_avg(crcs), exp_avg_sq(crcs), exp_avg_scale(crcs), exp_avg_sq_scale(crcs);
   for (int64_t lo = begin; lo < end; lo += kCrcTile) {
     const int64_t hi = std::min(end, lo + kCrcTile), n = hi - lo;
     if (codes) run_blocks(isa, b, c, lo, hi);
     else run_range(isa, b, c, lo, hi);
-    const size_t moment = dtype_size(b.moment_dtype), master = dtype_size(b.param_dtype);
     ChecksumTimer timer;
     param.add(bytes(b.param, master, lo), n * master);
     exp_avg.add(bytes(b.exp_avg, moment, lo), n * moment);

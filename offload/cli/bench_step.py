@@ -14,8 +14,9 @@ waits for them: forward, backward, the gradient copy inside backward, the
 optimizer phase ``step()``) and the optimizer work done off it (on a worker,
 during backward or the next forward: hidden), the wall time per step
 (``wall_s``), the CPU seconds the swap files' CRC-32C checksums took per step
-on the I/O threads (``checksum_cpu_s``: work beside the critical path that
-still competes with it for cores), and the ratios of the overlapped and
+on the I/O threads and in the Adam pass (``checksum_cpu_s``: the I/O threads'
+share is beside the critical path but competes with it for cores; the pass's
+share is on it wherever the Adam step is), and the ratios of the overlapped and
 delayed setups to their plain one.
 
 For nvme, the pipeline efficiency: the least time the disk needs for the

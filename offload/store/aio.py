@@ -29,7 +29,7 @@ import torch
 
 from offload import _native
 from offload.errors import ConfigError, SwapIOError, UsageError
-from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT
+from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT, chunk_count, crcs_fit
 
 READ, WRITE = 0, 1
 BACKENDS = ("native", "aiofiles")
@@ -349,9 +349,8 @@ def _check_crcs(op: int, chunk_crcs: torch.Tensor | None, io_len: int, block_siz
         return
     if op != WRITE:
         raise UsageError("chunk_crcs come with a write only: a read checksums what it reads")
-    chunks = -(-io_len // block_size)
-    if (chunk_crcs.dtype != torch.int32 or chunk_crcs.device.type != "cpu" or not chunk_crcs.is_contiguous()
-            or chunk_crcs.numel() != chunks):
+    chunks = chunk_count(io_len, block_size)
+    if not crcs_fit(chunk_crcs, chunks):
         raise UsageError(f"chunk_crcs must be {chunks} contiguous int32 in host memory (one per {block_size}-byte "
                          f"chunk), got {chunk_crcs.numel()} of {chunk_crcs.dtype} on {chunk_crcs.device}")
 

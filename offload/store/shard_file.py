@@ -80,14 +80,22 @@ class ChunkCrcs:
 
     @staticmethod
     def of(data: torch.Tensor, chunk: int) -> ChunkCrcs:
-        return ChunkCrcs(data, chunk, torch.zeros(-(-data.numel() // chunk), dtype=torch.int32))
+        return ChunkCrcs(data, chunk, torch.zeros(chunk_count(data.numel(), chunk), dtype=torch.int32))
 
     def valid(self) -> bool:
         """What a kernel writing through raw pointers relies on."""
         return (self.data.dtype == torch.uint8 and self.data.is_contiguous() and self.data.numel() > 0
-                and self.data.device.type == "cpu" and self.chunk > 0 and self.crcs.dtype == torch.int32
-                and self.crcs.device.type == "cpu" and self.crcs.is_contiguous()
-                and self.crcs.numel() == -(-self.data.numel() // self.chunk))
+                and self.data.device.type == "cpu" and self.chunk > 0
+                and crcs_fit(self.crcs, chunk_count(self.data.numel(), self.chunk)))
+
+
+def chunk_count(nbytes: int, chunk: int) -> int:
+    return -(-nbytes // chunk)
+
+
+def crcs_fit(crcs: torch.Tensor, chunks: int) -> bool:
+    """``chunks`` CRCs as native code reads and writes them: int32 bits, contiguous, in host memory."""
+    return crcs.dtype == torch.int32 and crcs.device.type == "cpu" and crcs.is_contiguous() and crcs.numel() == chunks
 
 
 def padded(nbytes: int) -> int:

@@ -95,6 +95,9 @@ def test_bench_step_reports_every_setups_critical_path(tmp_path, capsys):
     assert nvme["bytes_read"] == expected  # a write is counted when it completes, maybe in the next step: not exact
     assert nvme["io"]["bytes_read"] == nvme["io"]["bytes_written"] == expected  # these steps wait for the last one
     assert setups["cpu"]["bytes_read"] == 0
+    # Initializing writes each sub-group once, master and zero moments, and reads none back.
+    assert (nvme["initialize_bytes_read"], nvme["initialize_bytes_written"]) == (0, expected)
+    assert setups["cpu"]["initialize_bytes_read"] == setups["cpu"]["initialize_bytes_written"] == 0
     # The checksums cover every data byte read and written (no CRC-32C beats
     # 100 GB/s on a core); the cpu setups' turns move nothing.
     data = expected - 4096 * len(SubGroups.of(owned, 20_000))

@@ -17,7 +17,9 @@ during backward or the next forward: hidden), the wall time per step
 on the I/O threads and in the Adam pass (``checksum_cpu_s``: the I/O threads'
 share is beside the critical path but competes with it for cores; the pass's
 share is on it wherever the Adam step is), and the ratios of the overlapped and
-delayed setups to their plain one.
+delayed setups to their plain one. Also how long each setup's
+``offload.initialize`` took, until its initial state was written
+(``initialize_s``), and the bytes that moved over the disk for it.
 
 For nvme, the pipeline efficiency: the least time the disk needs for the
 optimizer's own reads and writes of one step (the slower direction's bytes
@@ -179,11 +181,16 @@ def _one_step(engine, tokens: torch.Tensor) -> dict:
 def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
     c = SIZES[args.model]
     tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1), generator=torch.Generator().manual_seed(0))
-    engines = {}
+    engines, initialized = {}, {}
     for setup in setups:
         torch.manual_seed(0)
-        engines[setup] = offload.initialize(GPT(c), _config(args, setup, nvme))
+        model = GPT(c)
+        start = time.perf_counter()
+        engines[setup] = offload.initialize(model, _config(args, setup, nvme))
         engines[setup].synchronize()  # its initial state's writes: Note [a turn of two steps]
+        traffic = engines[setup].disk_traffic()
+        initialized[setup] = {"initialize_s": time.perf_counter() - start, "initialize_bytes_read": traffic.bytes_read,
+                              "initialize_bytes_written": traffic.bytes_written}
     rows: dict[str, list[dict]] = {setup: [] for setup in setups}
     window_steps = args.steps if "nvme" in engines else 0
     bar = Progress((args.steps + 2) * len(setups) + window_steps, "bench step", enabled=not args.json)
@@ -207,7 +214,7 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
         result[setup] = {"wall_s": med["wall"], "critical": critical, "optimizer_work": med["optimizer_work"],
                          "hidden": {"optimizer": max(0.0, med["optimizer_work"] - med["optimizer"])},
                          "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"],
-                         "checksum_cpu_s": med["checksums"]}
+                         "checksum_cpu_s": med["checksums"], **initialized[setup]}
         result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
     if windows:
         result["nvme"]["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
@@ -244,6 +251,9 @@ def report(r: dict) -> str:
     lines.append(f"{'optimizer (hidden)':24}" + "".join(f"{v['hidden']['optimizer']:>14.3f}" for v in s.values()))
     lines.append(f"{'wall':24}" + "".join(f"{v['wall_s']:>14.3f}" for v in s.values()))
     lines.append(f"{'swap checksums (CPU)':24}" + "".join(f"{v['checksum_cpu_s']:>14.3f}" for v in s.values()))
+    lines.append(f"{'initialize':24}" + "".join(f"{v['initialize_s']:>14.3f}" for v in s.values()))
+    disk = [(v["initialize_bytes_read"] + v["initialize_bytes_written"]) / 1e9 for v in s.values()]
+    lines.append(f"{'  its disk GB (r + w)':24}" + "".join(f"{gb:>14.3f}" for gb in disk))
     if r["ratios"]:
         lines += [""] + [f"{name}: {ratio:.2f}x the step time" for name, ratio in r["ratios"].items()]
     if "pipeline_efficiency" in r:

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+import offload
 from offload import _native
 from offload.store.aio import WRITE
 
@@ -91,3 +92,26 @@ def test_every_write_back_of_a_step_brings_its_adam_pass_crcs(tmp_path, overlap_
     assert len(writes) == (STEPS - 1) * len(engine.optimizer.groups) and all(writes)
     assert _native.lib().offload_checksum_from_memory_bytes() == from_memory
     assert (kept >= 3 * (STEPS - 1)) == overlap_step  # several sub-groups a step were stepped during backward
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_set_up_writes_each_sub_group_once_and_reads_none(tmp_path, stage):
+    """Note [one write per sub-group at set-up]: before the first step the state
+    crosses the disk once, as master weights beside zero moments."""
+    cfg = config(stage, "nvme", 1, str(tmp_path), param_device="cpu" if stage == 3 else None)
+    cfg["zero_optimization"]["sub_group_size"] = 300
+    model = make_model()
+    initial = torch.cat([p.detach().flatten() for p in model.parameters()]).sort().values
+    engine = offload.initialize(model, cfg)
+    optimizer = engine.optimizer
+    optimizer.flush()
+    stats = optimizer.store.stats()
+    groups = len(optimizer.groups)
+    assert groups >= 10
+    assert (stats["io"]["reads"], stats["io"]["writes"]) == (0, groups)
+    assert stats["io"]["bytes_written"] == stats["nvme"]["bytes"]  # headers and padding included
+    state = torch.cat([chunk.clone() for _, _, chunk in optimizer.state_chunks(engine.weights)], dim=1)
+    engine.close()
+    padding = torch.zeros(state.shape[1] - initial.numel())  # the layout aligns buckets
+    assert torch.equal(state[0].sort().values, torch.cat([initial, padding]).sort().values)  # world size 1 owns it all
+    assert not state[1:].any()

@@ -5,15 +5,21 @@
 
 A GPT of about 1.5B parameters (48 layers, width 1600, 1024 tokens, byte
 vocabulary) in bf16, micro-batch 8, built under ``offload.init``. Each setup
-runs in a process of its own, under its own timeout, for 2 warm-up and
-``--steps`` measured steps:
-  none        stage 2, everything on the GPU (the baseline, if it fits)
-  cpu         stage 2, optimizer state in CPU memory (ZeRO-Offload)
-  cpu-dpu     the same with the one-step delayed update
-  nvme-infty  stage 3, weights and optimizer state on NVMe (ZeRO-Infinity)
-Printed per setup: tokens/s, model TFLOPS (6 x parameters x tokens / s), the
-fraction of the baseline's throughput, and the GPU idle fraction: 1 - the
-baseline's time for the same forward and backward / this setup's step time.
+runs in a process of its own, under its own timeout, for 1 warm-up and
+``--steps`` measured steps (``--nvme-steps`` and ``--nvme-timeout`` for
+nvme-infty, which moves about 40 GB over the disk a step):
+  none         stage 2, everything on the GPU (the baseline, if it fits)
+  cpu          stage 2, optimizer state in CPU memory (ZeRO-Offload)
+  cpu-overlap  the same with overlap_step: sub-groups step during backward
+  cpu-dpu      the same with the one-step delayed update
+  nvme-infty   stage 3, weights and optimizer state on NVMe (ZeRO-Infinity)
+Gradient clipping is off unless ``--clip`` is given: a few steps from
+initialisation are where clipping binds on every step, which makes
+overlap_step roll back and fall back to the plain step; the table counts
+the rollbacks. Printed per setup: tokens/s, model TFLOPS (6 x parameters x
+tokens / s), the fraction of the baseline's throughput, and the GPU idle
+fraction: 1 - the baseline's time for the same forward and backward / this
+setup's step time.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 SETUPS = {
     "none": {"stage": 2, "offload_optimizer": {"device": "none"}},
     "cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "cpu-overlap": {"stage": 2, "offload_optimizer": {"device": "cpu", "overlap_step": True}},
     "cpu-dpu": {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_update": True, "delayed_update_warmup": 1}},
     "nvme-infty": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": None},
                    "offload_param": {"device": "nvme", "nvme_path": None, "max_in_cpu": 0}},
@@ -37,7 +44,7 @@ SETUPS = {
 MODELS = {"1.5B": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024), "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64)}
 
 
-def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: str) -> dict:
+def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: str, clip: float) -> dict:
     import torch
 
     import offload
@@ -48,7 +55,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
     for section in ("offload_optimizer", "offload_param"):
         if section in zero and "nvme_path" in zero[section]:
             zero[section]["nvme_path"] = nvme_path
-    config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": clip, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"sub_group_size": 50_000_000, **zero}}
     torch.manual_seed(0)
     with offload.init(config):
@@ -57,7 +64,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
     tokens = torch.randint(0, c.vocab_size, (batch, c.block_size + 1), device=engine.device)
     cuda = engine.device.type == "cuda"
     rows = []
-    for i in range(steps + 2):
+    for i in range(steps + 1):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -69,11 +76,13 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
-        if i >= 2:
+        if i >= 1:
             rows.append({"step": end - start, "forward_backward": compute_end - start})
+    rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
     engine.close(restore_model=False)
     step = statistics.median(r["step"] for r in rows)
     return {"setup": setup, "params": c.params(), "tokens_per_step": batch * c.block_size, "step_s": step,
+            "steps": steps + 1, "rollbacks": rollbacks,
             "forward_backward_s": statistics.median(r["forward_backward"] for r in rows),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 
@@ -82,39 +91,48 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="1.5B")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--nvme-steps", type=int, default=1, help="measured steps of nvme-infty")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--timeout", type=int, default=75, help="seconds per setup")
+    parser.add_argument("--timeout", type=int, default=45, help="seconds per setup")
+    parser.add_argument("--nvme-timeout", type=int, default=110, help="seconds for nvme-infty")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one setup, print its JSON
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.model, args.device, args.steps, args.batch, args.nvme_path)))
+        print(json.dumps(one(args.one, args.model, args.device, args.steps, args.batch, args.nvme_path, args.clip)))
         return 0
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}))
     results = {}
     for setup in args.setups.split(","):
+        nvme = setup == "nvme-infty"
+        steps, timeout = (args.nvme_steps, args.nvme_timeout) if nvme else (args.steps, args.timeout)
         argv = [sys.executable, __file__, "--one", setup, "--model", args.model, "--device", args.device,
-                "--steps", str(args.steps), "--batch", str(args.batch), "--nvme-path", args.nvme_path]
+                "--steps", str(steps), "--batch", str(args.batch), "--nvme-path", args.nvme_path, "--clip", str(args.clip)]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, env=env)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
-            print(f"{setup}: no result within {args.timeout} s", flush=True)
+            print(f"{setup}: no result within {timeout} s", flush=True)
             continue
         if proc.returncode != 0:
-            print(f"{setup}: failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{setup}: failed with exit status {proc.returncode}: {last}", flush=True)
             continue
         results[setup] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{setup}: {results[setup]['step_s']:.2f} s per step", flush=True)
     base = results.get("none")
-    print(f"\n{'setup':12}{'s/step':>8}{'tokens/s':>10}{'TFLOPS':>8}{'of none':>9}{'GPU idle':>10}{'GPU GiB':>9}")
+    print(f"\n{'setup':13}{'s/step':>8}{'tokens/s':>10}{'TFLOPS':>8}{'of none':>9}{'GPU idle':>10}{'GPU GiB':>9}"
+          f"{'rollbacks':>11}")
     for setup, r in results.items():
         rate = r["tokens_per_step"] / r["step_s"]
         tflops = 6 * r["params"] * rate / 1e12
         share = f"{rate / (base['tokens_per_step'] / base['step_s']):.0%}" if base else "-"
         idle = f"{1 - base['forward_backward_s'] / r['step_s']:.0%}" if base else "-"
-        print(f"{setup:12}{r['step_s']:8.2f}{rate:10.0f}{tflops:8.1f}{share:>9}{idle:>10}{r['peak_gpu_gib']:9.1f}")
+        rollbacks = "-" if r["rollbacks"] is None else f"{r['rollbacks']} of {r['steps']}"
+        print(f"{setup:13}{r['step_s']:8.2f}{rate:10.0f}{tflops:8.1f}{share:>9}{idle:>10}{r['peak_gpu_gib']:9.1f}"
+              f"{rollbacks:>11}")
     print(json.dumps(results))
     return 0
 

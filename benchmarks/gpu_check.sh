@@ -7,7 +7,12 @@
 #     bash benchmarks/gpu_check.sh [NVME_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nvme="${1:-$(mktemp -d)}"
+if [ $# -ge 1 ]; then
+    nvme=$1
+else
+    nvme=$(mktemp -d)
+    trap 'rm -rf "$nvme"' EXIT  # what a setup killed at its timeout left
+fi
 status=0
 part() {  # part SECONDS NAME COMMAND...: run one part under its own timeout, report how it ended
     local seconds=$1 name=$2
@@ -19,8 +24,31 @@ part() {  # part SECONDS NAME COMMAND...: run one part under its own timeout, re
     echo "== $name: exit $rc after $((SECONDS - start))s"
     [ "$rc" -eq 0 ] || status=1
 }
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 1
-part 90 build python -m pip install --no-build-isolation --no-deps -e .
-part 120 "tests marked gpu" python -m pytest -m gpu -q -p no:cacheprovider tests
-part 265 "benchmark, 1.5B GPT in bf16" python benchmarks/gpu_bench.py --nvme-path "$nvme" --steps 2 --timeout 65
+# What the build and the tests take from the machine, since --no-deps installs nothing:
+# each missing piece is named, and nothing runs without them.
+python - <<'PY' || exit 1
+import importlib, shutil, sys
+import torch
+problems = [] if torch.cuda.is_available() else ["torch sees no CUDA device"]
+import setuptools
+if int(setuptools.__version__.split(".")[0]) < 77:
+    problems.append(f"setuptools {setuptools.__version__} < 77 (pyproject.toml's license field needs 77)")
+if not (shutil.which("c++") or shutil.which("g++")):
+    problems.append("no C++ compiler (c++ or g++) for the native library")
+for name in ("numpy", "psutil", "aiofiles", "matplotlib", "pytest", "hypothesis"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        problems.append(f"Python package {name} is missing")
+for p in problems:
+    print("gpu_check:", p, file=sys.stderr)
+if not problems:
+    print("torch", torch.__version__, torch.cuda.get_device_name(0), "setuptools", setuptools.__version__)
+sys.exit(1 if problems else 0)
+PY
+df -h "$nvme" | tail -1  # nvme-infty puts about 20 GB of swap files here
+# Worst case 60 + 110 + 300 s: each part's timeout, the benchmark's the sum of its setups' (4 x 45 + 110).
+part 60 build python -m pip install --no-build-isolation --no-deps -e .
+part 110 "tests marked gpu" env NVIDIA_TF32_OVERRIDE=0 python -m pytest -m gpu -q -p no:cacheprovider tests
+part 300 "benchmark, 1.5B GPT in bf16" python benchmarks/gpu_bench.py --nvme-path "$nvme"
 exit $status

@@ -21,7 +21,7 @@ import types
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from offload.errors import ConfigError
 from offload.store.aio import AioSettings
@@ -217,6 +217,11 @@ class Config:
             data = source
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
+        autos = list(_auto_values(data)) if isinstance(data, dict) else []
+        if autos:
+            raise ConfigError(f"{', '.join(autos)} {'is' if len(autos) == 1 else 'are'} \"auto\", which only the Hugging "
+                              "Face Trainer fills in (use offload.hf.OffloadTrainer, which resolves them from its "
+                              "TrainingArguments); elsewhere give each a value")
         tuning: list[str] = []
         given: set[str] = set()
         config = _build(Config, data, "", tuning, given)
@@ -324,6 +329,19 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         rules.append((f"aio.{key}", no_nvme or ignored, "no tier is on nvme" if no_nvme else
                       "the aiofiles backend is buffered and moves one chunk at a time"))
     return [(key, why) for key, applies, why in rules if applies and key in given]
+
+
+def _auto_values(data: dict, path: str = "") -> Iterator[str]:
+    """Where a DeepSpeed config written for Hugging Face says "auto", but for
+    keys offload ignores anyway (DeepSpeed's internal tuning)."""
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key in TUNING_KEYS.get(path, ()):
+            continue
+        if value == "auto":
+            yield where
+        elif isinstance(value, dict):
+            yield from _auto_values(value, where)
 
 
 def _build(cls, data: Any, path: str, tuning: list[str], given: set[str]):

@@ -86,6 +86,20 @@ def test_bad_configs_name_the_field(data, message):
         Config.load(data)
 
 
+def test_auto_values_are_all_named_at_once_with_where_they_are_filled_in():
+    """A DeepSpeed config written for Hugging Face, given to offload.initialize:
+    every "auto" is named, but for keys offload ignores anyway."""
+    data = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}
+    with pytest.raises(ConfigError) as caught:
+        Config.load(data)
+    message = str(caught.value)
+    assert message.startswith("train_micro_batch_size_per_gpu, gradient_clipping, bf16.enabled, optimizer.params.lr "
+                              'are "auto"')
+    assert "offload.hf.OffloadTrainer" in message and "allgather_bucket_size" not in message
+
+
 def test_unreadable_files_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         Config.load(str(tmp_path / "missing.json"))

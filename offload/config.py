@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from offload.errors import ConfigError
+from offload.schedule import SCHEDULES
 from offload.store.aio import AioSettings
 
 
@@ -152,6 +153,39 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SchedulerParams:
+    warmup_min_lr: float = _f(0.0, "WarmupLR, WarmupDecayLR: the rate warm-up starts from (the first step's)", ge=0)
+    warmup_max_lr: float | None = _f(None, "WarmupLR, WarmupDecayLR: the rate warm-up reaches; unset: as in "
+                                     "DeepSpeed, optimizer.params.lr for WarmupLR and 0.001 for WarmupDecayLR", ge=0)
+    warmup_num_steps: int = _f(1000, "steps of warm-up (at least 2 are taken, as in DeepSpeed)", ge=1)
+    warmup_type: str = _f("log", "the warm-up curve: log or linear", choices=("log", "linear"))
+    total_num_steps: int | None = _f(None, "WarmupDecayLR, WarmupCosineLR (required): the step where the decay ends",
+                                     ge=1)
+    warmup_min_ratio: float = _f(0.0, "WarmupCosineLR: the rate warm-up starts from, over optimizer.params.lr",
+                                 ge=0, le=1)
+    cos_min_ratio: float = _f(0.0001, "WarmupCosineLR: the rate the decay ends at, over optimizer.params.lr",
+                              ge=0, le=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    type: str | None = _f(None, "DeepSpeed's learning-rate schedule, stepped after each applied step: WarmupLR, "
+                          "WarmupDecayLR or WarmupCosineLR; unset: none, and engine.lr is yours to set",
+                          choices=tuple(SCHEDULES))
+    params: SchedulerParams = _f(SchedulerParams(), "the schedule's parameters (DeepSpeed's names)")
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if self.type in ("WarmupDecayLR", "WarmupCosineLR"):
+            if p.total_num_steps is None:
+                raise ConfigError(f"scheduler.type {self.type} needs scheduler.params.total_num_steps: the step where "
+                                  "its decay ends")
+            if p.total_num_steps < p.warmup_num_steps:
+                raise ConfigError(f"scheduler.params.total_num_steps ({p.total_num_steps}) is less than "
+                                  f"warmup_num_steps ({p.warmup_num_steps}): the decay would end before warm-up does")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     train_batch_size: int | None = _f(None, "micro batch x accumulation x world size, checked if given", ge=1)
     train_micro_batch_size_per_gpu: int = _f(1, "samples per forward on each rank", ge=1)
@@ -161,6 +195,7 @@ class Config:
     bf16: BF16Config = _f(BF16Config(), "bfloat16 compute")
     fp16: FP16Config = _f(FP16Config(), "float16 compute with loss scaling")
     zero_optimization: ZeroConfig = _f(ZeroConfig(), "ZeRO stage and offload")
+    scheduler: SchedulerConfig = _f(SchedulerConfig(), "learning-rate schedule")
     aio: AioSettings = _f(AioSettings(), "swap file I/O: block_size, queue_depth, thread_count (intra_op_parallelism)")
     comm_timeout_s: float = _f(1800.0, "seconds a collective waits for a rank that stalls before failing (a rank that "
                                "dies fails it at once); 1800 is torch's own default", gt=0)
@@ -279,7 +314,6 @@ TUNING_KEYS = {
 # DeepSpeed keys whose meaning this engine does not implement: errors that say so.
 REFUSED_KEYS = {
     "": {"pipeline": "pipeline parallelism is not implemented", "tensor_parallel": "tensor parallelism is not implemented",
-         "scheduler": "DeepSpeed LR schedulers are not implemented; set engine.lr before each step (e.g. from your own warm-up/decay function)",
          "amp": "apex AMP is not supported; use bf16 or fp16", "sparse_attention": "sparse attention is not implemented",
          "moe": "mixture-of-experts is not implemented", "activation_checkpointing": "use torch.utils.checkpoint in the model",
          "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",
@@ -324,6 +358,10 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         dynamic_only = key != "loss_scale" and c.fp16.loss_scale != 0
         rules.append((f"fp16.{key}", not c.fp16.enabled or dynamic_only,
                       "fp16 is not enabled" if not c.fp16.enabled else "the loss scale is static (fp16.loss_scale > 0)"))
+    schedule = c.scheduler.type
+    for f in dataclasses.fields(SchedulerParams):
+        rules.append((f"scheduler.params.{f.name}", f.name not in SCHEDULES.get(schedule, ()),
+                      "no scheduler.type is set" if schedule is None else f"{schedule} does not read it"))
     for key in ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_direct"):
         ignored = c.aio.backend == "aiofiles" and key != "block_size"
         rules.append((f"aio.{key}", no_nvme or ignored, "no tier is on nvme" if no_nvme else

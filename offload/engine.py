@@ -31,6 +31,7 @@ from offload.errors import ConfigError, UsageError
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
+from offload.schedule import schedule_of
 from offload.store.pool import PinnedPool, footprint
 from offload.zero import comm
 from offload.zero.consolidate import (
@@ -135,6 +136,9 @@ class Engine:
         self._next_ends: bool | None = None  # set_gradient_accumulation_boundary
         self.global_steps = 0
         self.skipped_steps = 0
+        self.schedule = schedule_of(config)
+        if self.schedule is not None:
+            self.optimizer.lr = self.schedule.rate(0)
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
         self._closed = False
@@ -240,6 +244,8 @@ class Engine:
             self.update.apply(multiplier, self.global_steps, self.times)
             self.scaler.update(overflow=False)
         self.global_steps += 1
+        if self.schedule is not None:
+            self.optimizer.lr = self.schedule.rate(self.applied_steps)
 
     def _gradient_multiplier(self) -> float | None:
         """What the optimizer multiplies the owned gradient by: averaging over
@@ -262,13 +268,21 @@ class Engine:
         return multiplier
 
     @property
+    def applied_steps(self) -> int:
+        """Optimizer steps taken and not skipped for an fp16 overflow."""
+        return self.global_steps - self.skipped_steps
+
+    @property
     def lr(self) -> float:
         """The learning rate of the next optimizer step: set it each step to
-        schedule it (warm-up, decay), as a DeepSpeed scheduler would."""
+        schedule it (warm-up, decay), unless the config's ``scheduler`` does."""
         return self.optimizer.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
+        if self.schedule is not None:
+            raise UsageError(f"the config's scheduler ({self.schedule.kind}) sets the learning rate after each step; "
+                             "remove the scheduler section to set engine.lr yourself")
         self.optimizer.lr = value
 
     def synchronize(self) -> None:
@@ -362,7 +376,7 @@ class Engine:
     def restore_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps, self.skipped_steps = state.global_steps, state.micro_steps, state.skipped_steps
         self.pending_micro_steps, self._window_ended = 0, False  # saved and restored between steps only
-        self.lr = state.lr
+        self.optimizer.lr = state.lr if self.schedule is None else self.schedule.rate(self.applied_steps)
         self.scaler.load_state_dict(state.loss_scaler)
 
     def shard_state(self) -> Iterator[tuple[int, int, torch.Tensor]]:

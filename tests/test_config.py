@@ -74,7 +74,6 @@ def test_defaults_need_no_warning():
          "gradients_on_nvme needs device nvme"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True}}},
          "delayed_update is for stages 1 and 2"),
-        ({"scheduler": {"type": "WarmupLR"}}, "set engine.lr before each step"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "stage 3"),
         ({"aio": {"block_size": 1000}}, "aio.block_size must be a positive multiple of 4096"),
         ({"aio": {"queue_dpeth": 8}}, "unknown key"),

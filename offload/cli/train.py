@@ -11,7 +11,8 @@ else in fp32; a config given with --config is taken as it is. The first line
 of output names the config, the swap directory and the output directory.
 
 The learning rate warms up linearly over the first tenth of the steps, then
-decays along a cosine to a tenth of the config's ``optimizer.params.lr``.
+decays along a cosine to a tenth of the config's ``optimizer.params.lr``,
+unless the config has a ``scheduler`` section: then that schedule sets it.
 The progress bar shows the loss, tokens/s, the step time split into compute
 (forward and backward), optimizer (CPU Adam), swap (waiting for the disk) and
 the rest, and the bytes held per tier. At the end, a summary JSON and a
@@ -261,7 +262,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     bar = made.bar = Progress(args.steps, "train", enabled=rank == 0)
     eval_start = _evaluate(engine, evals)
     for step in range(args.steps):
-        engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
+        if engine.schedule is None:
+            engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
         start = time.perf_counter()
         read0, written0 = engine.disk_traffic()
         compute, loss_sum = 0.0, 0.0
@@ -296,7 +298,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "world_size": world, "steps": args.steps, "seq_len": data.seq_len, "micro_batch": data.batch_size,
         "accumulation": accumulation, "tokens_per_step": tokens_per_step, "seed": args.seed,
         "config": dataclasses.asdict(config), "losses": losses,
-        "lr_schedule": "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
+        "lr_schedule": f"the config's scheduler, {config.scheduler.type}" if engine.schedule else
+                       "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "tokens_per_s": tokens_per_step / statistics.median(r["wall"] for r in measured),
         "seconds_per_step": {k: statistics.median(r[k] for r in measured)

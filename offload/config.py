@@ -161,8 +161,8 @@ class SchedulerParams:
     warmup_type: str = _f("log", "the warm-up curve: log or linear", choices=("log", "linear"))
     total_num_steps: int | None = _f(None, "WarmupDecayLR, WarmupCosineLR (required): the step where the decay ends",
                                      ge=1)
-    warmup_min_ratio: float = _f(0.0, "WarmupCosineLR: the rate warm-up starts from, over optimizer.params.lr",
-                                 ge=0, le=1)
+    warmup_min_ratio: float = _f(0.0, "WarmupCosineLR: the rate warm-up starts from, over optimizer.params.lr (the "
+                                 "second step's; the first runs at 0, as in DeepSpeed)", ge=0, le=1)
     cos_min_ratio: float = _f(0.0001, "WarmupCosineLR: the rate the decay ends at, over optimizer.params.lr",
                               ge=0, le=1)
 
@@ -182,7 +182,9 @@ class SchedulerConfig:
                                   "its decay ends")
             if p.total_num_steps < p.warmup_num_steps:
                 raise ConfigError(f"scheduler.params.total_num_steps ({p.total_num_steps}) is less than "
-                                  f"warmup_num_steps ({p.warmup_num_steps}): the decay would end before warm-up does")
+                                  f"warmup_num_steps ({p.warmup_num_steps}): the decay would end before warm-up does "
+                                  "(DeepSpeed only warns, then holds the rate at the decay's end); make it at least "
+                                  "warmup_num_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,9 +256,11 @@ class Config:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:
+            scheduler = ("; under OffloadTrainer the Trainer's own schedule sets the rate, so remove the scheduler "
+                         "section there" if any(a.startswith("scheduler.") for a in autos) else "")
             raise ConfigError(f"{', '.join(autos)} {'is' if len(autos) == 1 else 'are'} \"auto\", which only the Hugging "
                               "Face Trainer fills in (use offload.hf.OffloadTrainer, which resolves them from its "
-                              "TrainingArguments); elsewhere give each a value")
+                              f"TrainingArguments); elsewhere give each a value{scheduler}")
         tuning: list[str] = []
         given: set[str] = set()
         config = _build(Config, data, "", tuning, given)

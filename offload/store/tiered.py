@@ -8,7 +8,9 @@ exactly one state at a time, and every transition is checked:
                 │ release(dirty)         │ release(clean)          ▼
                 └────────────────────────┴──────────────────── RESIDENT
 
-A cpu shard is always ``CPU``. A write that fails leaves its shard ``FAILED``:
+``create`` makes a shard ``RESIDENT`` in a buffer of zeros, with nothing in
+its file yet: its first release writes it, dirty or not. A cpu shard is
+always ``CPU``. A write that fails leaves its shard ``FAILED``:
 getting it raises the write's own error, never stale data. A buffer goes back
 to the pool only once its read or write has completed.
 
@@ -184,17 +186,28 @@ class TieredStore:
     @_one_thread
     def put(self, key: str, tensor: torch.Tensor, tier: Tier | str = Tier.CPU) -> None:
         """Store a copy of ``tensor`` under ``key``; an nvme put starts its write now."""
-        tier = Tier(tier)
+        source = tensor.detach().contiguous().view(-1)
+        self._new(key, ShardMeta.of(tensor), Tier(tier)).view(-1).copy_(source)
+        shard = self._shards[key]
+        if shard.tier is Tier.NVME:
+            self._start_write(shard)
+
+    @_one_thread
+    def create(self, key: str, meta: ShardMeta, tier: Tier | str = Tier.CPU) -> torch.Tensor:
+        """A new shard of zeros, resident, for a caller that fills it in place.
+        An nvme one is on disk only once released: clean or dirty, its first
+        release writes it (nothing is in its file before)."""
+        return self._new(key, meta, Tier(tier)).zero_()
+
+    def _new(self, key: str, meta: ShardMeta, tier: Tier) -> torch.Tensor:
+        """A new resident shard, its content undefined."""
         if key in self._shards:
             raise KeyError(f"shard {key!r} already exists")
-        meta = ShardMeta.of(tensor)
-        source = tensor.detach().contiguous().view(-1)
         if tier is Tier.CPU:
-            copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=self.pool.pin)
-            copy.copy_(source)
-            self._shards[key] = _Shard(key, meta, tier, State.CPU, tensor=copy.view(meta.shape))
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=self.pool.pin)
+            self._shards[key] = _Shard(key, meta, tier, State.CPU, tensor=tensor)
             self._tiers[Tier.CPU].add(meta.nbytes)
-            return
+            return tensor
         engine = self._require_engine(key)
         self._reap(block=False)
         buffer = self._acquire(meta.padded_nbytes, key)
@@ -213,8 +226,7 @@ class TieredStore:
         shard = _Shard(key, meta, tier, State.RESIDENT, file=file, buffer=buffer)
         self._shards[key] = shard
         self._tiers[Tier.NVME].add(HEADER_BYTES + meta.padded_nbytes)
-        _view(shard).view(-1).copy_(source)
-        self._start_write(shard)
+        return _view(shard)
 
     @_one_thread
     def prefetch(self, keys: Iterable[str]) -> None:
@@ -263,7 +275,7 @@ class TieredStore:
             if shard.tier is Tier.CPU:
                 continue
             shard.expect(State.RESIDENT)
-            if dirty:
+            if dirty or shard.generation == 0:  # a created shard has nothing in its file yet
                 self._start_write(shard, checksums.get(key))
             else:
                 self._return_buffers(shard)

@@ -36,7 +36,7 @@ from offload.optim.state_format import StateFormat
 from offload.optim.stochastic import step_key
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, TieredStore, pool_bytes
-from offload.store.shard_file import ChunkCrcs
+from offload.store.shard_file import ChunkCrcs, ShardMeta
 from offload.zero.layout import SubGroups
 from offload.zero.owned_grad import OwnedGradient
 from offload.zero.transfer import Transfer
@@ -218,13 +218,15 @@ class StoreOptimizer(ShardOptimizer):
         # Putting every sub-group as zeros and then reading each back to write its
         # master moved the state over the disk three times before the first step
         # (36 GB for the fp32 state of 1B parameters, where 12 GB is the state
-        # itself). Instead the sub-group write_master fills
-        # is built in this blank, in host memory, and put once, master and zero
-        # moments together; sub-groups write_master skips are put as zeros.
-        self._initial: torch.Tensor | None = self.format.blank(self.groups.largest)
-        self._created = 0  # sub-groups [0, _created) are in the store
+        # itself). Instead a sub-group is created, zero, in its pool buffer when
+        # write_master first reaches it, and written once, master and moments
+        # together, when write_master moves on; the ones it never reaches are
+        # created at finish_master. Only a return to a sub-group already written
+        # (a tied weight that a model built under offload.init hands over last)
+        # reads it back.
+        self._created: set[int] = set()
         self._open_group: int | None = None  # the sub-group write_master is filling
-        self._open_buffer: torch.Tensor | None = None  # and where it lives
+        self._open_buffer: torch.Tensor | None = None  # and its state
         self._checksums: dict[int, ChunkCrcs | None] = {}  # speculated sub-groups' swap data CRCs, until settled
 
     @staticmethod
@@ -257,51 +259,34 @@ class StoreOptimizer(ShardOptimizer):
         return self.format.views(buffer, hi - lo, master)
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Set master weights [lo, hi). Call in increasing order of ``lo``; then
+        """Set master weights [lo, hi), best in increasing order of ``lo``; then
         ``finish_master``, once, before anything else. Not for a master in the
         weights: that is already there."""
         for i, g_lo, a, b in self.groups.meeting(lo, hi):
             if self._open_group != i:
                 self._close_group()
-                self._open(i)
+                self._open_buffer = self._create(i) if i not in self._created else self.store.get([self._key(i)])[0]
+                self._open_group = i
             self._views(i, self._open_buffer)[0][a - g_lo : b - g_lo].copy_(values[a - lo : b - lo])
 
-    def _open(self, i: int) -> None:
-        """Make sub-group i the one write_master fills: the blank in host memory
-        while it is not in the store yet (Note [one write per sub-group at set-up]),
-        else its stored state (a write out of order, which costs a read)."""
-        self._create(i)
-        if i == self._created:
-            self._open_buffer = self._initial
-        else:
-            (self._open_buffer,) = self.store.get([self._key(i)])
-        self._open_group = i
-
-    def _create(self, end: int) -> None:
-        """Put the sub-groups before ``end`` that are not in the store yet, each
-        as it stands in the blank: its master if it was open, else zero."""
-        for i in range(self._created, end):
-            lo, hi = self.groups[i]
-            n = self.format.nbytes(hi - lo)
-            self.store.put(self._key(i), self._initial[:n], self.tier)
-            self._initial[:n].zero_()
-        self._created = max(self._created, end)
+    def _create(self, i: int) -> torch.Tensor:
+        """Sub-group i's state, zero, resident (Note [one write per sub-group at set-up])."""
+        lo, hi = self.groups[i]
+        self._created.add(i)
+        return self.store.create(self._key(i), ShardMeta((self.format.nbytes(hi - lo),), torch.uint8), self.tier)
 
     def _close_group(self) -> None:
-        i = self._open_group
-        if i is None:
-            return
-        if i == self._created:
-            self._create(i + 1)
-        else:
-            self.store.release([self._key(i)], dirty=True)
-        self._open_group = None
+        if self._open_group is not None:
+            self.store.release([self._key(self._open_group)], dirty=True)
+            self._open_group = self._open_buffer = None
 
     def finish_master(self) -> None:
         """Every sub-group is in the store from here on."""
         self._close_group()
-        self._create(len(self.groups))
-        self._initial = None
+        for i in range(len(self.groups)):
+            if i not in self._created:
+                self._create(i)
+                self.store.release([self._key(i)], dirty=True)
 
     def prefetch(self, groups: list[int] | None = None) -> None:
         """Start reading these sub-groups (default: the first of the next step),

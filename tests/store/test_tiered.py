@@ -99,6 +99,32 @@ def test_write_back_after_eviction_then_read(tmp_path, backend):
         assert store.state("w") is State.ON_DISK and torch.equal(store.get(["w"])[0], clean)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_created_shard_starts_at_zero_and_its_first_release_writes_it(tmp_path, backend, tier):
+    """Even a clean release: nothing was in the file before it."""
+    with _store(tmp_path, backend) as store:
+        store.put("filler", torch.full((3000,), 7.0), tier)  # its buffer comes back to the pool, not zeroed
+        store.flush()
+        if tier == "nvme":
+            store.get(["filler"])
+            store.release(["filler"])
+        created = store.create("c", ShardMeta((3000,), torch.float32), tier)
+        assert not created.any()
+        created[::3] = 2.5
+        store.release(["c"], dirty=False)
+        store.flush()
+        writes = store.stats()["io"]["writes"]
+        assert writes == (2 if tier == "nvme" else 0)
+        assert store.state("c") is (State.ON_DISK if tier == "nvme" else State.CPU)
+        expected = torch.zeros(3000)
+        expected[::3] = 2.5
+        assert torch.equal(store.get(["c"])[0], expected)
+        store.release(["c"], dirty=False)  # now clean: nothing more to write
+        store.flush()
+        assert store.stats()["io"]["writes"] == writes
+
+
 def _crcs(data: torch.Tensor, chunk: int) -> torch.Tensor:
     lib = _native.lib()
     crcs = [lib.offload_crc32c(data.data_ptr() + at, min(chunk, data.numel() - at), 0) for at in range(0, data.numel(), chunk)]

@@ -14,7 +14,11 @@ run continues the schedule with nothing more saved.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
+
+if typing.TYPE_CHECKING:  # config.py imports SCHEDULES from here
+    from offload.config import Config, SchedulerParams
 
 # The params each schedule reads; DeepSpeed's names and defaults (SchedulerParams).
 SCHEDULES = {
@@ -28,13 +32,7 @@ SCHEDULES = {
 class Schedule:
     kind: str
     base_lr: float  # optimizer.params.lr: WarmupLR's default peak, WarmupCosineLR's scale
-    warmup_min_lr: float
-    warmup_max_lr: float | None
-    warmup_num_steps: int
-    warmup_type: str
-    total_num_steps: int | None
-    warmup_min_ratio: float
-    cos_min_ratio: float
+    params: SchedulerParams
 
     def rate(self, applied: int) -> float:
         """The learning rate of the next step after ``applied`` applied steps
@@ -42,7 +40,7 @@ class Schedule:
         position = applied - 1
         if self.kind == "WarmupCosineLR":
             return self.base_lr * self._cosine_ratio(position)
-        low, high = self.warmup_min_lr, self.warmup_max_lr
+        low, high = self.params.warmup_min_lr, self.params.warmup_max_lr
         if high is None:  # DeepSpeed's defaults: WarmupLR's is the optimizer's rate, WarmupDecayLR's 0.001
             high = self.base_lr if self.kind == "WarmupLR" else 1e-3
         if position < 0:
@@ -51,10 +49,10 @@ class Schedule:
 
     @property
     def _warmup(self) -> int:
-        return max(2, self.warmup_num_steps)  # as DeepSpeed: log(1) would divide by zero
+        return max(2, self.params.warmup_num_steps)  # as DeepSpeed: log(1) would divide by zero
 
     def _warmup_fraction(self, position: int) -> float:
-        if self.warmup_type == "log":
+        if self.params.warmup_type == "log":
             return math.log(position + 1) / math.log(self._warmup)
         return position / self._warmup
 
@@ -63,22 +61,22 @@ class Schedule:
             return self._warmup_fraction(position)
         if self.kind == "WarmupLR":
             return 1.0
-        return max(0.0, (self.total_num_steps - position) / max(1, self.total_num_steps - self._warmup))
+        total = self.params.total_num_steps
+        return max(0.0, (total - position) / max(1, total - self._warmup))
 
     def _cosine_ratio(self, position: int) -> float:
+        p = self.params
         if position < 0:
             return 0.0
         if position < self._warmup:
-            return self.warmup_min_ratio + self._warmup_fraction(position) * (1.0 - self.warmup_min_ratio)
-        progress = min(1.0, (position - self._warmup + 1) / max(1, self.total_num_steps - self._warmup))
-        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+            return p.warmup_min_ratio + self._warmup_fraction(position) * (1.0 - p.warmup_min_ratio)
+        progress = min(1.0, (position - self._warmup + 1) / max(1, p.total_num_steps - self._warmup))
+        return max(0.0, p.cos_min_ratio + (1.0 - p.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
 
-def schedule_of(config) -> Schedule | None:
+def schedule_of(config: Config) -> Schedule | None:
     """The config's schedule, or None: no ``scheduler`` section (``engine.lr`` is the caller's)."""
     section = config.scheduler
     if section.type is None:
         return None
-    p = section.params
-    return Schedule(section.type, config.optimizer.params.lr, p.warmup_min_lr, p.warmup_max_lr, p.warmup_num_steps,
-                    p.warmup_type, p.total_num_steps, p.warmup_min_ratio, p.cos_min_ratio)
+    return Schedule(section.type, config.optimizer.params.lr, section.params)

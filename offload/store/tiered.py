@@ -344,6 +344,9 @@ class TieredStore:
     def keys(self) -> list[str]:
         return list(self._shards)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._shards
+
     @_one_thread
     def close(self) -> None:
         """Wait for all I/O, then remove every swap file and the run directory."""

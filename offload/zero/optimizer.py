@@ -224,7 +224,6 @@ class StoreOptimizer(ShardOptimizer):
         # created at finish_master. Only a return to a sub-group already written
         # (a tied weight that a model built under offload.init hands over last)
         # reads it back.
-        self._created: set[int] = set()
         self._open_group: int | None = None  # the sub-group write_master is filling
         self._open_buffer: torch.Tensor | None = None  # and its state
         self._checksums: dict[int, ChunkCrcs | None] = {}  # speculated sub-groups' swap data CRCs, until settled
@@ -265,14 +264,13 @@ class StoreOptimizer(ShardOptimizer):
         for i, g_lo, a, b in self.groups.meeting(lo, hi):
             if self._open_group != i:
                 self._close_group()
-                self._open_buffer = self._create(i) if i not in self._created else self.store.get([self._key(i)])[0]
+                self._open_buffer = self.store.get([self._key(i)])[0] if self._key(i) in self.store else self._create(i)
                 self._open_group = i
             self._views(i, self._open_buffer)[0][a - g_lo : b - g_lo].copy_(values[a - lo : b - lo])
 
     def _create(self, i: int) -> torch.Tensor:
         """Sub-group i's state, zero, resident (Note [one write per sub-group at set-up])."""
         lo, hi = self.groups[i]
-        self._created.add(i)
         return self.store.create(self._key(i), ShardMeta((self.format.nbytes(hi - lo),), torch.uint8), self.tier)
 
     def _close_group(self) -> None:
@@ -284,7 +282,7 @@ class StoreOptimizer(ShardOptimizer):
         """Every sub-group is in the store from here on."""
         self._close_group()
         for i in range(len(self.groups)):
-            if i not in self._created:
+            if self._key(i) not in self.store:
                 self._create(i)
                 self.store.release([self._key(i)], dirty=True)
 

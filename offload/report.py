@@ -13,19 +13,25 @@ from typing import NamedTuple
 
 
 class DiskTraffic(NamedTuple):
-    """Bytes read from and written to swap files (headers included)."""
+    """Bytes read from and written to swap files (headers included), and the
+    bytes a read would have brought that a write-back's buffer still held."""
 
     bytes_read: int
     bytes_written: int
+    bytes_kept: int = 0
 
     @staticmethod
     def of(store) -> DiskTraffic:
         """The store's byte counters alone: safe to read while a delayed update's
         worker drives the store (its other statistics walk the pool's sets)."""
-        return DiskTraffic(store.traffic.bytes_read, store.traffic.bytes_written)
+        t = store.traffic
+        return DiskTraffic(t.bytes_read, t.bytes_written, t.bytes_kept)
 
     def __add__(self, other: DiskTraffic) -> DiskTraffic:  # type: ignore[override]
-        return DiskTraffic(self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written)
+        return DiskTraffic(*(a + b for a, b in zip(self, other)))
+
+    def __sub__(self, other: DiskTraffic) -> DiskTraffic:
+        return DiskTraffic(*(a - b for a, b in zip(self, other)))
 
 
 @dataclass

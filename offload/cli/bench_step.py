@@ -19,7 +19,9 @@ share is beside the critical path but competes with it for cores; the pass's
 share is on it wherever the Adam step is), and the ratios of the overlapped and
 delayed setups to their plain one. Also how long each setup's
 ``offload.initialize`` took, until its initial state was written
-(``initialize_s``), and the bytes that moved over the disk for it.
+(``initialize_s``), and the bytes that moved over the disk for it. A step's
+``bytes_kept`` are the bytes it did not read because a write-back still held
+them in its buffer (with ``bytes_read``, one pass over the state).
 
 For nvme, the pipeline efficiency: the least time the disk needs for the
 optimizer's own reads and writes of one step (the slower direction's bytes
@@ -170,12 +172,11 @@ def _one_step(engine, tokens: torch.Tensor) -> dict:
     t2 = time.perf_counter()
     engine.step()
     t3 = time.perf_counter()
-    after = engine.disk_traffic()
+    disk = engine.disk_traffic() - before
     step_s = t3 - t2
     work = engine.update.optimizer_work(engine.times, step_s)
     return {"wall": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "gradient_copy": engine.reducer.seconds - copy_before,
-            "optimizer": step_s, "optimizer_work": work,
-            "bytes_read": after.bytes_read - before.bytes_read, "bytes_written": after.bytes_written - before.bytes_written}
+            "optimizer": step_s, "optimizer_work": work, **disk._asdict()}
 
 
 def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
@@ -213,7 +214,7 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
         critical = {k: med[k] for k in ("forward", "backward", "gradient_copy", "optimizer")}
         result[setup] = {"wall_s": med["wall"], "critical": critical, "optimizer_work": med["optimizer_work"],
                          "hidden": {"optimizer": max(0.0, med["optimizer_work"] - med["optimizer"])},
-                         "bytes_read": med["bytes_read"], "bytes_written": med["bytes_written"],
+                         **{k: med[k] for k in ("bytes_read", "bytes_written", "bytes_kept")},
                          "checksum_cpu_s": med["checksums"], **initialized[setup]}
         result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
     if windows:

@@ -265,7 +265,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         if engine.schedule is None:
             engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
         start = time.perf_counter()
-        read0, written0 = engine.disk_traffic()
+        disk0 = engine.disk_traffic()
         compute, loss_sum = 0.0, 0.0
         for micro in range(accumulation):
             t0 = time.perf_counter()
@@ -276,12 +276,12 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         engine.step()
         wall = time.perf_counter() - start
         detail = engine.times.optimizer_detail
-        read1, written1 = engine.disk_traffic()
+        disk = engine.disk_traffic() - disk0
         mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
         mean_loss = comm.all_reduce(mean).item() / world
         row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
                "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
-               "bytes_read": read1 - read0, "bytes_written": written1 - written0}
+               "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written}
         row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
         rows.append(row)
         losses.append(mean_loss)

@@ -99,6 +99,7 @@ class _Gauge:
 class _Traffic:
     bytes_read: int = 0
     bytes_written: int = 0
+    bytes_kept: int = 0  # what get() found still in a write-back's buffer, so did not read
     reads: int = 0
     writes: int = 0
     prefetch_skipped: int = 0  # prefetches dropped because the pool was full
@@ -250,6 +251,8 @@ class TieredStore:
             if shard.state is State.ON_DISK:
                 self._start_read(shard, block_for_room=True)
                 self.traffic.demand_reads += 1
+            elif shard.state is State.WRITING:
+                self.traffic.bytes_kept += HEADER_BYTES + shard.meta.padded_nbytes
         return [self._resident(shard) for shard in shards]
 
     @_one_thread

@@ -186,7 +186,12 @@ def test_get_while_writing_keeps_the_buffer(tmp_path):
         store.put("k", torch.arange(10_000.0), "nvme")
         (t,) = store.get(["k"])  # WRITING -> RESIDENT without a read
         assert torch.equal(t, torch.arange(10_000.0))
-        assert store.stats()["io"]["reads"] == 0
+        io = store.stats()["io"]
+        assert (io["reads"], io["bytes_read"], io["bytes_kept"]) == (0, 0, HEADER_BYTES + 40_960)
+        store.release(["k"])
+        store.get(["k"])
+        io = store.stats()["io"]
+        assert (io["reads"], io["bytes_read"], io["bytes_kept"]) == (1, HEADER_BYTES + 40_960, HEADER_BYTES + 40_960)
 
 
 def _swap_path(store, key):

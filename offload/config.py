@@ -256,11 +256,9 @@ class Config:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:
-            scheduler = ("; under OffloadTrainer the Trainer's own schedule sets the rate, so remove the scheduler "
-                         "section there" if any(a.startswith("scheduler.") for a in autos) else "")
             raise ConfigError(f"{', '.join(autos)} {'is' if len(autos) == 1 else 'are'} \"auto\", which only the Hugging "
                               "Face Trainer fills in (use offload.hf.OffloadTrainer, which resolves them from its "
-                              f"TrainingArguments); elsewhere give each a value{scheduler}")
+                              "TrainingArguments); elsewhere give each a value")
         tuning: list[str] = []
         given: set[str] = set()
         config = _build(Config, data, "", tuning, given)

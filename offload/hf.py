@@ -20,7 +20,9 @@ DeepSpeed:
     on two CPU ranks that is ``cpu:0``, a copy);
   - the optimizer is ``EngineOptimizer``: the Trainer's schedule sets its
     learning rate, and its ``step`` hands that rate to the engine and steps it.
-    Clipping (``max_grad_norm``) is the engine's, from the config;
+    With a ``scheduler`` section, that schedule is the config's DeepSpeed one
+    (``DeepSpeedSchedule``), in place of ``lr_scheduler_type``, as under
+    DeepSpeed. Clipping (``max_grad_norm``) is the engine's, from the config;
   - a Trainer checkpoint holds an engine checkpoint (``offload/`` inside
     ``checkpoint-N``) beside the scheduler, RNG and trainer state, so
     ``resume_from_checkpoint`` restores every bit of the training state, and
@@ -35,6 +37,10 @@ sources for one setting that disagree are an error, not a silent choice. A
 key the arguments set (clipping, batch sizes, the AdamW hyper-parameters,
 bf16/fp16) that the config leaves out takes the arguments' value too, where
 DeepSpeed would silently use its own default (no clipping, for one).
+The scheduler's are Hugging Face's too: ``warmup_min_lr`` 0, ``warmup_max_lr``
+the learning rate, and, once ``train()`` knows the Trainer's step count n,
+``total_num_steps`` n and ``warmup_num_steps`` the arguments' warm-up over n
+(at least 1).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 import offload
 from offload.config import Config
 from offload.errors import CheckpointError, ConfigError, UsageError
+from offload.schedule import Schedule, schedule_of
 from offload.zero.materialize import is_meta
 
 try:
@@ -77,6 +84,19 @@ def _arguments(args: transformers.TrainingArguments) -> dict[str, object]:
     }
 
 
+def _scheduler_arguments(args: transformers.TrainingArguments, steps: int | None) -> dict[str, object]:
+    """Scheduler keys the Trainer's arguments give, for a run of ``steps``
+    steps (None: not known before ``train()``)."""
+    given: dict[str, object] = {"scheduler.params.warmup_max_lr": args.learning_rate}
+    if steps is not None:
+        given["scheduler.params.total_num_steps"] = steps
+        given["scheduler.params.warmup_num_steps"] = max(1, args.get_warmup_steps(steps))
+    return given
+
+
+STEP_COUNTS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")  # known in train()
+
+
 def _model_sized(model: torch.nn.Module) -> dict[str, object]:
     """Bucket sizes Hugging Face derives from the model's width for "auto"."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
@@ -88,8 +108,9 @@ def _model_sized(model: torch.nn.Module) -> dict[str, object]:
 
 
 def resolve_config(source: str | os.PathLike | dict, args: transformers.TrainingArguments,
-                   model: torch.nn.Module) -> dict:
-    """The offload config with every "auto" resolved (Note ["auto" values])."""
+                   model: torch.nn.Module, steps: int | None = None) -> dict:
+    """The offload config with every "auto" resolved (Note ["auto" values]);
+    without ``steps``, the scheduler's step counts are left as they are."""
     if isinstance(source, (str, os.PathLike)):
         with open(source) as f:
             data = json.load(f)
@@ -97,31 +118,31 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
         data = copy.deepcopy(source)
     else:
         raise ConfigError(f"offload_config is a path or a dict, got {type(source).__name__}")
-    if "scheduler" in data:
-        raise ConfigError("offload_config has a 'scheduler' section; under OffloadTrainer the Trainer's schedule "
-                          "(TrainingArguments.lr_scheduler_type, warmup_steps, warmup_ratio) drives the learning "
-                          "rate: remove the section")
     if "optimizer" not in data:
         if args.optim not in EXACT_ADAMW:
             raise ConfigError(f"TrainingArguments.optim is {args.optim!r}, but offload trains with its own AdamW; use "
                               f"one of {', '.join(EXACT_ADAMW)}, or give offload_config an 'optimizer' section")
         data["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
-    from_args, from_model = _arguments(args), _model_sized(model)
+    from_args, defaults = _arguments(args), _model_sized(model)
+    resolvable = {*from_args, *defaults}
+    if "scheduler" in data:
+        from_args.update(_scheduler_arguments(args, steps))
+        defaults["scheduler.params.warmup_min_lr"] = 0  # Hugging Face's: no argument sets it
+        resolvable |= {*from_args, *defaults, *STEP_COUNTS}
     mismatches = []
     for key, value in _leaves(data):
+        if steps is None and key in STEP_COUNTS:
+            continue  # resolved and checked once train() knows the step count
         if value == "auto":
-            if key in from_args:
-                _set(data, key, from_args[key])
-            elif key in from_model:
-                _set(data, key, from_model[key])
-            else:
+            if key not in from_args and key not in defaults:
                 raise ConfigError(f"offload_config key {key} is 'auto', which OffloadTrainer resolves only for "
-                                  f"{', '.join(sorted({**from_args, **from_model}))}" +
-                                  ("" if from_model else " (the bucket sizes need the model's config.hidden_size)") +
-                                  "; give it a value")
+                                  f"{', '.join(sorted(resolvable))}" +
+                                  ("" if _model_sized(model) else " (the bucket sizes need the model's "
+                                   "config.hidden_size)") + "; give it a value")
+            _set(data, key, from_args[key] if key in from_args else defaults[key])
         elif key in from_args and not _agrees(value, from_args[key]):
             mismatches.append(f"{key} is {value!r} but TrainingArguments give {from_args[key]!r}")
-    for key, value in from_args.items():  # absent: the Trainer's arguments still say what the Trainer does
+    for key, value in _arguments(args).items():  # absent: the Trainer's arguments still say what the Trainer does
         _set(data, key, _get(data, key, value))
     if mismatches:
         raise ConfigError("offload_config disagrees with TrainingArguments: " + "; ".join(mismatches) +
@@ -182,6 +203,26 @@ class EngineOptimizer(torch.optim.Optimizer):
         """Nothing to do: the engine consumes gradients as backward makes them."""
 
 
+class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The config's DeepSpeed schedule as the Trainer's ``lr_scheduler``: the
+    rate of the next step after the engine's applied steps, so a step skipped
+    for an fp16 overflow does not advance it, as under DeepSpeed (Note
+    [schedules count applied steps])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, engine) -> None:
+        self.schedule, self.engine = schedule, engine
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        rate = self.schedule.rate(self.engine.applied_steps)
+        return [rate for _ in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        """Without the schedule and the engine, which the Trainer rebuilds (its
+        checkpoints are loaded with ``weights_only``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule", "engine")}
+
+
 class _EngineModule(torch.nn.Module):
     """The model as the Trainer's loop calls it: through the engine, so stage 3
     gathers its weights, and not wrapped in DDP by Accelerate (the engine
@@ -223,10 +264,17 @@ class OffloadTrainer(transformers.Trainer):
             raise UsageError("TrainingArguments.load_best_model_at_end is not supported by OffloadTrainer yet: "
                              "load the best checkpoint's weights with offload.load_weights into a fresh engine")
         resolved = resolve_config(offload_config, args, model)
+        self._offload_config = offload_config
+        kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        unused = ([f"lr_scheduler_type {kind!r}"] if kind != "linear" else []) + \
+            (["lr_scheduler_kwargs"] if args.lr_scheduler_kwargs else [])
+        if "scheduler" in resolved and unused:
+            warnings.warn(f"OffloadTrainer: TrainingArguments.{' and '.join(unused)} not used: offload_config's "
+                          "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=2)
         if resolved["optimizer"]["params"].get("weight_decay", 0):
             warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
                           "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
-        config = Config.load(resolved)
+        config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"})  # the Trainer schedules
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
         init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
@@ -236,6 +284,18 @@ class OffloadTrainer(transformers.Trainer):
         super().__init__(model, args, optimizers=(optimizer, None), **kwargs)
 
     # -- the loop's touch points (Note [Trainer wiring]) ------------------------------
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The config's scheduler section, if it has one, resolved for this many steps."""
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler
+        resolved = resolve_config(self._offload_config, self.args, self.model, steps=num_training_steps)
+        if "scheduler" not in resolved:
+            return super().create_scheduler(num_training_steps, optimizer)
+        schedule = schedule_of(Config.load({k: resolved[k] for k in ("optimizer", "scheduler")}))
+        self.lr_scheduler = DeepSpeedSchedule(optimizer or self.optimizer, schedule, self.engine)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _move_model_to_device(self, model, device) -> None:
         """The engine placed the model (and its parameters view the engine's

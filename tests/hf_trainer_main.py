@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import warnings
@@ -18,6 +19,23 @@ import torch
 import transformers
 
 STEPS, VOCAB, SEQ = 20, 97, 16
+LR, WARMUP = 2e-3, 5
+
+# A stock Hugging Face DeepSpeed config's scheduler: everything "auto".
+WARMUP_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                    "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+
+
+def warmup_decay_rate(applied: int) -> float:
+    """DeepSpeed's WarmupDecayLR (log warm-up) as its documentation gives it,
+    with the values Hugging Face gives the "auto"s above: the rate of the next
+    step after ``applied`` applied steps (DeepSpeed starts one step back)."""
+    position, warmup = applied - 1, max(2, WARMUP)
+    if position < 0:
+        return 0.0
+    gamma = math.log(position + 1) / math.log(warmup) if position < warmup else \
+        max(0.0, (STEPS - position) / (STEPS - warmup))
+    return LR * gamma
 
 
 def tiny_gpt2() -> transformers.GPT2LMHeadModel:
@@ -57,14 +75,16 @@ def offload_config(stage: int) -> dict:
 def arguments(out: str, max_steps: int = STEPS, save_steps: int | None = None) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
         output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=2e-3, warmup_steps=5, lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1,
+        learning_rate=LR, warmup_steps=WARMUP, lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], seed=0,
         use_cpu=True, disable_tqdm=True, data_seed=0)
 
 
 def train(out: str, stage: int | None, nvme: str | None = None, resume: str | None = None,
-          save_steps: int | None = None) -> transformers.Trainer:
-    """Plain Trainer when ``stage`` is None; else OffloadTrainer at that stage, swap files under ``nvme``."""
+          save_steps: int | None = None, scheduler: dict | None = None) -> transformers.Trainer:
+    """Plain Trainer when ``stage`` is None; else OffloadTrainer at that stage,
+    swap files under ``nvme``. With ``scheduler`` (WARMUP_DECAY), the offload
+    config has that section, and the plain Trainer follows warmup_decay_rate."""
     from offload.hf import OffloadTrainer
 
     model = copy.deepcopy(tiny_gpt2())
@@ -74,9 +94,16 @@ def train(out: str, stage: int | None, nvme: str | None = None, resume: str | No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if stage is None:
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+            optimizers = (None, None)
+            if scheduler is not None:
+                adamw = torch.optim.AdamW(model.parameters(), lr=LR)
+                optimizers = (adamw, torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: warmup_decay_rate(k) / LR))
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=optimizers)
         else:
-            trainer = OffloadTrainer(model=model, args=args, train_dataset=Tokens(), offload_config=offload_config(stage),
+            config = offload_config(stage)
+            if scheduler is not None:
+                config["scheduler"] = scheduler
+            trainer = OffloadTrainer(model=model, args=args, train_dataset=Tokens(), offload_config=config,
                                      nvme_path=nvme)
         trainer.train(resume_from_checkpoint=resume)
     return trainer

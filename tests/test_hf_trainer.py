@@ -2,7 +2,8 @@
 (warm-up and linear decay, accumulation 2, clipping, dropout on) gives the
 losses of plain ``transformers.Trainer`` within 1e-4 relative, at stages 2 and
 3 with NVMe tiers, on one rank and on two; resuming from the checkpoint of
-step 10 continues bitwise; "auto" values come from ``TrainingArguments`` and
+step 10 continues bitwise; a DeepSpeed scheduler section sets the rate as
+under DeepSpeed; "auto" values come from ``TrainingArguments`` and
 disagreements are errors that name both sides."""
 
 import json
@@ -57,12 +58,28 @@ def test_two_ranks_give_the_losses_of_plain_trainer_under_ddp(tmp_path, stage):
         assert result["plain_lr"] == result["offload_lr"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage):
-    whole = run.train(str(tmp_path / "run"), stage, nvme=str(tmp_path / "nvme1"), save_steps=10)
+def test_a_deepspeed_scheduler_section_sets_the_rate_as_under_deepspeed(tmp_path):
+    """A stock Hugging Face DeepSpeed config's WarmupDecayLR, all "auto": the
+    rates are DeepSpeed's (two steps at warmup_min_lr, log warm-up over the
+    arguments' warmup_steps, linear decay to 0 at max_steps), not the
+    arguments' linear schedule, and the losses are plain AdamW's under them."""
+    plain = run.train(str(tmp_path / "plain"), None, scheduler=run.WARMUP_DECAY)
+    trainer = run.train(str(tmp_path / "offload"), 2, nvme=str(tmp_path / "nvme"), scheduler=run.WARMUP_DECAY)
+    expected = [run.warmup_decay_rate(k) for k in range(run.STEPS)]
+    assert run.logged(plain, "learning_rate") == pytest.approx(expected, rel=1e-12)
+    assert run.logged(trainer, "learning_rate") == pytest.approx(expected, rel=1e-12)
+    assert _relative(run.logged(plain, "loss"), run.logged(trainer, "loss")) < TOLERANCE
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("stage, scheduler", [(2, None), (3, None), (2, run.WARMUP_DECAY)],
+                         ids=["stage2", "stage3", "stage2-deepspeed-schedule"])
+def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage, scheduler):
+    whole = run.train(str(tmp_path / "run"), stage, nvme=str(tmp_path / "nvme1"), save_steps=10, scheduler=scheduler)
     checkpoint = tmp_path / "run" / "checkpoint-10"
     assert (checkpoint / "offload").is_dir() and (checkpoint / "scheduler.pt").is_file()
-    resumed = run.train(str(tmp_path / "again"), stage, nvme=str(tmp_path / "nvme2"), resume=str(checkpoint))
+    resumed = run.train(str(tmp_path / "again"), stage, nvme=str(tmp_path / "nvme2"), resume=str(checkpoint),
+                        scheduler=scheduler)
     assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
     assert run.logged(resumed, "learning_rate") == run.logged(whole, "learning_rate")
     a, b = whole.engine.state_dict(), resumed.engine.state_dict()
@@ -120,8 +137,26 @@ def test_explicit_values_that_disagree_with_the_arguments_are_errors(tmp_path):
         resolve_config(config, _args(tmp_path), run.tiny_gpt2())
 
 
+def test_scheduler_auto_values_are_hugging_faces_and_the_step_counts_wait_for_train(tmp_path):
+    config = {**run.offload_config(2), "scheduler": run.WARMUP_DECAY}
+    args = _args(tmp_path, warmup_steps=0.1)  # a fraction of the steps
+    early = resolve_config(config, args, run.tiny_gpt2())["scheduler"]["params"]
+    assert early == {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": "auto", "total_num_steps": "auto"}
+    resolved = resolve_config(config, args, run.tiny_gpt2(), steps=35)["scheduler"]["params"]
+    assert resolved == {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 4, "total_num_steps": 35}
+    # given outright, they must agree with the arguments, as under Hugging Face's DeepSpeed integration
+    config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-4, "total_num_steps": 30}}
+    assert resolve_config(config, args, run.tiny_gpt2())["scheduler"]["params"]["total_num_steps"] == 30
+    with pytest.raises(ConfigError, match=r"scheduler.params.total_num_steps is 30 but TrainingArguments give 35"):
+        resolve_config(config, args, run.tiny_gpt2(), steps=35)
+    config["scheduler"]["params"]["warmup_max_lr"] = 1e-3
+    with pytest.raises(ConfigError, match=r"scheduler.params.warmup_max_lr is 0.001 but TrainingArguments give 0.0003"):
+        resolve_config(config, args, run.tiny_gpt2())
+
+
 @pytest.mark.parametrize("change, message", [
-    (lambda c, a: c.update(scheduler={"type": "WarmupLR"}), "remove the section"),
+    (lambda c, a: c.update(scheduler={"type": "WarmupCosineLR", "params": {"cos_min_ratio": "auto"}}),
+     "scheduler.params.cos_min_ratio is 'auto', which OffloadTrainer resolves only for .*total_num_steps"),
     (lambda c, a: c.pop("optimizer") and setattr(a, "optim", "sgd"), "TrainingArguments.optim is 'sgd'"),
     (lambda c, a: c["zero_optimization"].update(sub_group_size="auto"), "zero_optimization.sub_group_size is 'auto'"),
 ])
@@ -142,6 +177,12 @@ def test_settings_the_engine_replaces_are_refused(tmp_path):
                                                save_strategy="steps"), offload_config=config)
     with pytest.raises(UsageError, match="needs offload_config"):
         OffloadTrainer(model=model, args=_args(tmp_path))
+    # not refused, since DeepSpeed's own integration accepts both, but said
+    config["scheduler"] = run.WARMUP_DECAY
+    with pytest.warns(UserWarning, match="TrainingArguments.lr_scheduler_type 'cosine' not used"):
+        trainer = OffloadTrainer(model=model, args=_args(tmp_path, lr_scheduler_type="cosine"), offload_config=config,
+                                 nvme_path=str(tmp_path))
+    trainer.engine.close()
 
 
 def test_the_example_fine_tunes_and_its_model_loads_back_into_partitions(tmp_path):

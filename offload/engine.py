@@ -106,8 +106,11 @@ class Engine:
         self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self.gradient,
                                        lambda lo, hi: self.update.reduced(lo, hi))
         if zero.stage == 3:
+            # Frozen parameters are paged like the rest, with no gradient or optimizer state.
+            frozen = FlatLayout.of_model([(n, p) for n, p in model.named_parameters()
+                                          if not p.requires_grad and p.is_floating_point()], self.rank, self.world, None)
             # After the reducer: its gradient hooks must run before the weights' release hooks.
-            self.weights = PartitionedWeights(model, self.layout, config, self.device, self.dtype, where, tier,
+            self.weights = PartitionedWeights(model, self.layout, frozen, config, self.device, self.dtype, where, tier,
                                               self.transfer, holds_master=self.optimizer.master_in_weights)
             self._partition_stage3(model, init_fn)
         else:
@@ -120,6 +123,9 @@ class Engine:
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, offload.delayed_update,
                                              self.transfer, holds_master=self.optimizer.master_in_weights)
         self.reducer.install()
+        # Frozen parameters each rank holds whole (stages 1-2; integer ones at stage 3), for the memory report.
+        self._whole_frozen = [p for p in model.parameters() if not p.requires_grad and
+                              not (zero.stage == 3 and self.weights.manages(p))]
         self.scaler = LossScaler(config.fp16)
         # fp16's overflow check and clipping read the gradient's sum of squares; nothing else does.
         self._reads_grad_stats = self.scaler.enabled or config.gradient_clipping > 0
@@ -158,21 +164,20 @@ class Engine:
 
         def ready(param: torch.nn.Parameter) -> None:
             slot = self.reducer.slot_of.get(param)
-            if slot is None:  # frozen: stays whole, like buffers
-                return
-            self._give_master(self.layout.buckets[slot.bucket])
-            self.weights.add(param)
+            if slot is not None:
+                self._give_master(self.layout.buckets[slot.bucket])
+            if self.weights.manages(param):
+                self.weights.add(param)
 
         if is_meta(model):
             materialize(model, init_fn, ready)
         else:
-            for slot in self.layout.slots:
-                ready(slot.param)
+            for param in model.parameters():
+                ready(param)
         self.optimizer.finish_master()
-        managed = set(self.reducer.slot_of)
         for module in model.modules():  # what is not partitioned runs in the compute dtype too
             for name, p in module._parameters.items():
-                if p is not None and p not in managed:
+                if p is not None and not self.weights.manages(p):
                     p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
             for name, b in module._buffers.items():
                 if b is not None:
@@ -318,7 +323,22 @@ class Engine:
         parameters first in layout order, then the rest; floating-point values
         in ``dtype``. One parameter is in memory at a time (a collective:
         iterate on every rank)."""
-        return named_weights(self._assemble(), self._keys(), self.state_entries().others, dtype)
+        return named_weights(self._assemble(), self._keys(), self.other_values(), dtype)
+
+    def other_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, whole value) of each state-dict entry that is not trained
+        (buffers, frozen parameters), one at a time (stage 3 gathers frozen
+        parameters: a collective, iterate on every rank)."""
+        for key, value in self.state_entries().others:
+            yield key, self.weights.whole(value)
+
+    def assign_others(self, values: dict[str, torch.Tensor]) -> None:
+        """State-dict entries that are not trained take these values (a frozen
+        parameter at stage 3: this rank's part of it, in its tier)."""
+        entries = dict(self.state_entries().others)
+        with torch.no_grad():
+            for key, value in values.items():
+                self.weights.assign(entries[key], value)
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The model's state dict, consolidated from the fp32 master weights, in
@@ -402,6 +422,9 @@ class Engine:
         report = MemoryReport()
         for part in (self.weights, self.reducer, self.gradient, self.optimizer, self.update):
             part.memory(report)
+        if self._whole_frozen:
+            held = sum(p.numel() * p.element_size() for p in self._whole_frozen)
+            report.add("weights (frozen, whole)", "device", held, held)
         return report
 
     # -- the end -------------------------------------------------------------------
@@ -442,9 +465,11 @@ class Engine:
         with torch.no_grad():
             for slot, full in self._assemble():
                 slot.param.data = self.transfer.device_copy(full, self._original_dtypes[trainable[slot.param]])
+            restored = set(trainable)  # a tied tensor appears under each of its names: once is enough
             for name, value in _parameters_and_buffers(self.module):
-                if value not in self.reducer.slot_of:
-                    value.data = value.data.to(self._original_dtypes[name])
+                if value not in restored:
+                    restored.add(value)
+                    value.data = self.weights.whole(value).detach().to(self._original_dtypes[name])
 
     def __enter__(self) -> Engine:
         return self

@@ -119,8 +119,7 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
                 if tuple(checkpoint.shape(key)) != tuple(value.shape):
                     raise UsageError(f"{key} has shape {list(checkpoint.shape(key))} in {path} but "
                                      f"{list(value.shape)} in the model")
-                with torch.no_grad():
-                    value.copy_(checkpoint.read(key).view(value.shape))
+                engine.assign_others({key: checkpoint.read(key).view(value.shape)})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)
         kept = _own_values(engine, [p for p in pieces if p.slot not in source])

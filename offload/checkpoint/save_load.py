@@ -74,6 +74,11 @@ class Checkpointable(Protocol):
 
     def state_entries(self) -> StateEntries: ...
 
+    def other_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, whole value) of each buffer and frozen parameter (a collective)."""
+
+    def assign_others(self, values: dict[str, torch.Tensor]) -> None: ...
+
     def training_state(self) -> TrainingState: ...
 
     def restore_training_state(self, state: TrainingState) -> None: ...
@@ -116,7 +121,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
             shutil.rmtree(partial, ignore_errors=True)
         raise
     rngs = _agree(rng.capture, True)
-    extras = [(key, value.detach().cpu()) for key, value in engine.state_entries().others]
+    extras = [(key, value.detach().cpu()) for key, value in engine.other_values()]
     manifest = Manifest(
         format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
         compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
@@ -222,10 +227,7 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     _agree(prepare, True)
     manifest, extras, same = loaded["manifest"], loaded["extras"], loaded["same"]
     _agree(_load_rank if same else load_resharded, True, engine, directory, manifest)
-    entries = engine.module.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for key, value in extras.items():
-            entries[key].copy_(value)
+    engine.assign_others(extras)
     saved = manifest.training
     # This run's accumulation may differ from the saving run's: its micro-step count follows.
     engine.restore_training_state(dataclasses.replace(saved, micro_steps=saved.global_steps * engine.accumulation))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,11 +144,13 @@ class FlatLayout:
                 if piece.rank == rank:
                     yield piece
 
-    def owned_values(self, bucket: Bucket, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """This rank's part of ``bucket``, read from the parameters as they are now, zero-padded."""
+    def owned_values(self, bucket: Bucket, dtype: torch.dtype = torch.float32,
+                     values_of: Callable[[Slot], torch.Tensor] = lambda slot: slot.param) -> torch.Tensor:
+        """This rank's part of ``bucket``, zero-padded, read from each slot's
+        ``values_of`` (by default the parameter as it is now)."""
         part = torch.zeros(bucket.part, dtype=dtype)
         for piece in self.pieces_in(bucket, self.rank):
-            values = piece.slot.param.detach().reshape(-1)[piece.param_lo : piece.param_hi]
+            values = values_of(piece.slot).detach().reshape(-1)[piece.param_lo : piece.param_hi]
             at = piece.owned_lo - bucket.owned_offset
             part[at : at + values.numel()].copy_(values)
         return part

@@ -1,8 +1,9 @@
 """Stage 3: each parameter partitioned across ranks, its local part in a tier,
 gathered just before the module that uses it runs and released right after.
 
-Every trainable parameter is its own bucket of the flat layout (Note [flat
-layout]): rank r keeps part r, in the compute dtype, on the accelerator
+Every parameter is its own bucket of the flat layout (Note [flat layout]), the
+frozen ones (``requires_grad`` false, a LoRA's base model) of a layout of their
+own that no optimizer sees: rank r keeps part r, in the compute dtype, on the accelerator
 (``offload_param.device = none``), in host memory (``cpu``) or in a swap file
 (``nvme``). The ``nn.Parameter`` keeps its shape, but its storage is resized
 to zero while partitioned. Autograd's saved references see the same storage,
@@ -20,7 +21,8 @@ A parameter is gathered while anyone holds a reference:
     one on its inputs (``all`` of them) drops it once the gradient has flowed
     through the module. So a tied weight is released between its uses, and
     in-place operations on outputs or inputs are fine (hooks, not views). The
-    parameter's post-accumulate-grad hook drops any backward reference left.
+    parameter's post-accumulate-grad hook drops any backward reference left
+    (a frozen parameter has none: the inputs' hook or the end of backward does).
   - leftovers (parameters that got no gradient) are dropped at the end of
     backward.
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay
@@ -29,7 +31,8 @@ gathered throughout.
 Note [stage 3 limits]
 What each setting bounds here:
   - ``offload_param.max_in_cpu``: as in DeepSpeed, with weights on nvme, the
-    first parameters (in registration order) whose parts add up to at most
+    first parameters (in registration order, the trainable ones before the
+    frozen ones) whose parts add up to at most
     this many elements keep their part in host memory instead of a swap file,
     so neither the forward nor the backward pass reads them from disk;
   - ``stage3_prefetch_bucket_size``: elements brought ahead of their module,
@@ -81,6 +84,7 @@ class ParamState(enum.Enum):
 class _Managed:
     slot: Slot
     bucket: Bucket
+    layout: FlatLayout  # the trainable parameters' or the frozen ones'
     key: str
     tier: str  # none, cpu or nvme: where this parameter's part lives
     persistent: bool
@@ -121,11 +125,11 @@ def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
     return count
 
 
-def _say_what_stays_in_cpu(layout: FlatLayout, in_cpu: int, max_in_cpu: int) -> None:
-    kept = sum(b.part for b in layout.buckets[:in_cpu])
-    total = sum(b.part for b in layout.buckets)
+def _say_what_stays_in_cpu(parts: list[int], in_cpu: int, max_in_cpu: int) -> None:
+    kept = sum(parts[:in_cpu])
+    total = sum(parts)
     rest = ("so nothing is read from disk, and stage3_prefetch_bucket_size, stage3_max_live_parameters "
-            "and offload_param.buffer_count have no effect" if in_cpu == len(layout.buckets)
+            "and offload_param.buffer_count have no effect" if in_cpu == len(parts)
             else f"{total - kept:,} in swap files")
     warnings.warn(f"offload stage 3: offload_param.max_in_cpu={max_in_cpu:,} keeps {kept:,} of this rank's {total:,} "
                   f"weight elements in host memory, as DeepSpeed does, {rest}; set max_in_cpu to 0 to put every "
@@ -133,10 +137,11 @@ def _say_what_stays_in_cpu(layout: FlatLayout, in_cpu: int, max_in_cpu: int) -> 
 
 
 class PartitionedWeights:
-    def __init__(self, model: torch.nn.Module, layout: FlatLayout, config: Config, device: torch.device,
-                 dtype: torch.dtype, publish_on: dict, publish_tier: str, transfer: Transfer,
+    def __init__(self, model: torch.nn.Module, layout: FlatLayout, frozen: FlatLayout, config: Config,
+                 device: torch.device, dtype: torch.dtype, publish_on: dict, publish_tier: str, transfer: Transfer,
                  holds_master: bool = False) -> None:
-        """``publish_on``: where the optimizer hands over new weights (device,
+        """``layout``: the trainable parameters', ``frozen``: the frozen ones';
+        ``publish_on``: where the optimizer hands over new weights (device,
         pin_memory), the ``publish_tier`` of the memory report; ``holds_master``:
         the parts are the optimizer's master (Note [master in the weights])."""
         self.partition_name = "weights (partition: master)" if holds_master else "weights (partition)"
@@ -156,10 +161,13 @@ class PartitionedWeights:
         self._element = torch.empty((), dtype=dtype).element_size()
         self.store: TieredStore | None = None
         self._shards: dict[str, torch.Tensor] = {}  # tier none
+        buckets = [(layout, b, f"param{b.index:06d}") for b in layout.buckets] + \
+            [(frozen, b, f"frozen{b.index:06d}") for b in frozen.buckets]
+        parts = [b.part for _, b, _ in buckets]
         if self.tier == "none":
             _say_where_weights_live()
         else:
-            largest = max(b.part for b in layout.buckets)
+            largest = max(parts)
             if largest > param_cfg.buffer_size:
                 raise ConfigError(f"zero_optimization.offload_param.buffer_size {param_cfg.buffer_size:,} is smaller than "
                                   f"the largest parameter part ({largest:,} elements); raise it")
@@ -171,14 +179,13 @@ class PartitionedWeights:
                 pool_setting_name="zero_optimization.offload_param.buffer_count (or buffer_size)",
             )
         self._managed: dict[torch.nn.Parameter, _Managed] = {}
-        in_cpu = parts_in_cpu([b.part for b in layout.buckets], param_cfg.max_in_cpu) if self.tier == "nvme" else 0
-        for bucket in layout.buckets:
+        in_cpu = parts_in_cpu(parts, param_cfg.max_in_cpu) if self.tier == "nvme" else 0
+        for i, (owner, bucket, key) in enumerate(buckets):
             (slot,) = bucket.slots
-            tier = "cpu" if bucket.index < in_cpu else self.tier
-            self._managed[slot.param] = _Managed(slot, bucket, f"param{bucket.index:06d}", tier,
+            self._managed[slot.param] = _Managed(slot, bucket, owner, key, "cpu" if i < in_cpu else self.tier,
                                                  slot.numel <= zero.stage3_param_persistence_threshold)
         if self.tier == "nvme" and in_cpu:
-            _say_what_stays_in_cpu(layout, in_cpu, param_cfg.max_in_cpu)
+            _say_what_stays_in_cpu(parts, in_cpu, param_cfg.max_in_cpu)
         self._trace: dict[bool, list[_Managed]] = {}
         self._record: list[_Managed] = []
         self._cursor = 0
@@ -207,9 +214,39 @@ class PartitionedWeights:
     def add(self, param: torch.nn.Parameter) -> None:
         """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
         m = self._managed[param]
-        self._write_shard(m, self.layout.owned_values(m.bucket, self.dtype), on_host=True)
+        self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
         self._land_uploads()
         self._free(m)
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return param in self._managed
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full value of a frozen parameter, gathered for the moment (a
+        collective: every rank asks for the same ones, in the same order), or
+        of anything else the module holds whole, as it is."""
+        m = self._managed.get(tensor)
+        if m is None:
+            return tensor
+        if m.state is ParamState.GATHERED:
+            return tensor.detach().clone()
+        self._gather(m, record=False)
+        value = tensor.detach().clone()
+        self._free(m)
+        return value
+
+    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """``tensor`` takes ``value``: a frozen parameter in its part's tier (and
+        its gathered copy), anything else in place."""
+        m = self._managed.get(tensor)
+        if m is None:
+            tensor.detach().copy_(value)
+            return
+        part = m.layout.owned_values(m.bucket, self.dtype, lambda slot: value.to(self.dtype))
+        self._write_shard(m, part, on_host=True)
+        self._land_uploads()
+        if m.state is ParamState.GATHERED:
+            tensor.detach().copy_(value)
 
     def finish(self) -> None:
         """Every parameter was added: gather the persistent ones, install the hooks."""
@@ -221,7 +258,8 @@ class PartitionedWeights:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
-            self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
+            if m.slot.param.requires_grad:
+                self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
 
     # -- tiers -----------------------------------------------------------------------
 
@@ -548,7 +586,7 @@ class PartitionedWeights:
             n = self._scratch.numel() * element
             report.add("weights (handover buffer)", self._publish_tier, n, n)
         if self.tier == "none":
-            shard_bytes = sum(b.part for b in self.layout.buckets) * element
+            shard_bytes = sum(m.bucket.part for m in self._managed.values()) * element
             report.add(self.partition_name, "device", shard_bytes, shard_bytes)
             return
         stats = self.store.stats()

@@ -90,6 +90,14 @@ class Weights(Protocol):
 
     def traffic(self) -> DiskTraffic: ...
 
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full value of a parameter or buffer that is not trained (a
+        collective where it is partitioned: every rank asks for the same ones,
+        in the same order)."""
+
+    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """A parameter or buffer that is not trained takes ``value``."""
+
     def close(self) -> None: ...
 
 
@@ -216,6 +224,12 @@ class ReplicatedWeights:
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic(0, 0)
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # every rank holds all of it
+
+    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        tensor.detach().copy_(value)
 
     def close(self) -> None:
         self.begin_publish()  # no upload may outlive the engine

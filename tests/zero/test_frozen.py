@@ -1,0 +1,126 @@
+"""Frozen parameters (``requires_grad`` false: a LoRA's base model): the
+engine trains the rest as AdamW does at every stage and world sizes 1 and 2;
+at stage 3 the frozen ones are partitioned and paged like the trained ones,
+in every weight tier, and still reach state_dict, checkpoints and close."""
+
+import os
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.zero.stage3 import ParamState
+
+from .harness import (config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
+                      train_reference)
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+STEPS = 6
+TOLERANCE = 1e-5  # as tests/zero/test_stage3.py
+# The tied embedding and head, a whole block, and a LayerNorm weight (kept
+# gathered at stage 3: at most stage3_param_persistence_threshold elements).
+FROZEN = ("embed.weight", "blocks.1.0.weight", "blocks.1.0.bias", "norm.weight")
+SETUPS = [(1, None), (2, None), (3, "none"), (3, "cpu"), (3, "nvme")]  # stage, weight tier
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    model = make_model(seed, checkpoint=True)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    return model
+
+
+def _frozen_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k in FROZEN or k == "head.weight"}
+
+
+def _check(engine, ref, initial: dict[str, torch.Tensor], stage: int, tier: str | None, world: int) -> dict:
+    """What a rank checks of a trained engine: the errors against AdamW, and
+    at stage 3 where the frozen weights live."""
+    state = engine.state_dict()
+    result = {"difference": max_difference(state, ref),
+              "frozen_kept": all(torch.equal(state[k], v) for k, v in initial.items())}
+    report = engine.memory_report()
+    frozen_bytes = sum(p.numel() * 4 for p in engine.module.parameters() if not p.requires_grad)  # fp32 compute
+    result["whole_reported"] = report.get(("weights (frozen, whole)", "device"), {}).get("bytes", 0)
+    result["whole_expected"] = 0 if stage == 3 else frozen_bytes  # stage 3 pages them: nothing is held whole
+    if stage == 3:
+        states = engine.weights.states()
+        result["partitioned"] = [states[k] is ParamState.PARTITIONED for k in ("embed.weight", "blocks.1.0.weight")]
+        result["persistent"] = states["norm.weight"] is ParamState.GATHERED
+        result["tier"] = engine.weights.tiers()["embed.weight"]
+        result["no_storage"] = engine.module.embed.weight.untyped_storage().size() == 0
+        element = 4  # fp32 compute
+        parts = sum(-(-p.numel() // world) for p in engine.module.parameters())  # at least: padding is added
+        held = sum(v["bytes"] for (what, _), v in report.items() if what.startswith("weights (partition"))
+        result["partition_covers_frozen"] = held >= parts * element
+    return result
+
+
+def _train_and_check(stage: int, tier: str | None, nvme: str, saves: str, world: int = 1, rank: int = 0) -> dict:
+    cfg = config(stage, "nvme" if tier == "nvme" else "cpu", 2, nvme, param_device=tier)
+    ref = train_reference(_model(), STEPS, world, 2, cfg)
+    initial = _frozen_values(_model())
+    with train_engine(_model(), STEPS, 2, cfg, rank=rank) as engine:
+        result = _check(engine, ref, initial, stage, tier, world)
+        # a checkpoint holds the frozen weights: a model whose frozen ones differ gets them back
+        engine.save_checkpoint(saves)
+        with offload.initialize(_model(seed=5), cfg) as again:
+            again.load_checkpoint(saves)
+            result["reloaded"] = max_difference(again.state_dict(), ref)
+    model = engine.module  # closed: every parameter whole again, in its own dtype
+    result["closed"] = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items()) and \
+        all(p.dtype == torch.float32 and p.untyped_storage().size() > 0 for p in model.parameters())
+    return result
+
+
+def _assert_good(result: dict, stage: int, tier: str | None, where: str) -> None:
+    assert result["difference"] < TOLERANCE and result["reloaded"] < TOLERANCE, where
+    assert result["frozen_kept"] and result["closed"], where
+    assert result["whole_reported"] == result["whole_expected"], where
+    if stage == 3:
+        assert result["partitioned"] == [True, True] and result["persistent"], where
+        assert result["tier"] == tier and result["no_storage"] and result["partition_covers_frozen"], where
+
+
+@pytest.mark.parametrize("stage, tier", SETUPS, ids=[f"stage{s}-{t}" if t else f"stage{s}" for s, t in SETUPS])
+def test_frozen_parameters_stay_and_the_rest_trains_as_adamw(tmp_path, stage, tier):
+    _assert_good(_train_and_check(stage, tier, str(tmp_path), str(tmp_path / "saves")), stage, tier,
+                 f"stage {stage} {tier}")
+
+
+def _world2_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    results = {}
+    for stage, tier in ((2, None), (3, "cpu"), (3, "nvme")):
+        nvme = os.path.join(out_dir, f"nvme{rank}-{stage}-{tier}")
+        os.makedirs(nvme)
+        saves = os.path.join(out_dir, f"saves-{stage}-{tier}")  # one directory for both ranks
+        results[f"{stage}-{tier}"] = _train_and_check(stage, tier, nvme, saves, world=2, rank=rank)
+    finish_rank(out_dir, rank, results)
+
+
+def test_world_size_2(tmp_path):
+    for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
+        assert len(results) == 3
+        for name, result in results.items():
+            stage, tier = name.split("-")
+            _assert_good(result, int(stage), None if tier == "None" else tier, f"rank {rank} {name}")
+
+
+def test_stage3_exports_and_loads_frozen_weights_into_their_parts(tmp_path):
+    """``export`` gathers each frozen weight; ``load_weights`` writes each into
+    this rank's part in its tier (a model built with other values takes them)."""
+    cfg = config(3, "nvme", 1, str(tmp_path), param_device="nvme")
+    path = str(tmp_path / "model.safetensors")
+    with offload.initialize(_model(seed=5), cfg) as engine:
+        engine.export(path)
+        expected = engine.state_dict()
+    with offload.initialize(_model(seed=0), cfg) as engine:
+        offload.load_weights(engine, path)
+        assert engine.weights.states()["blocks.1.0.weight"] is ParamState.PARTITIONED
+        got = engine.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not torch.equal(expected["embed.weight"], _model(seed=0).embed.weight)

@@ -318,19 +318,21 @@ class Engine:
         keys_of = self.state_entries().keys_of
         return lambda slot: keys_of[slot.param]
 
-    def full_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, dtype: torch.dtype = torch.float32,
+                     exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, tensor) for every entry of the model's state dict, trainable
-        parameters first in layout order, then the rest; floating-point values
-        in ``dtype``. One parameter is in memory at a time (a collective:
-        iterate on every rank)."""
-        return named_weights(self._assemble(), self._keys(), self.other_values(), dtype)
+        parameters first in layout order, then the rest (frozen parameters
+        left out if asked); floating-point values in ``dtype``. One parameter
+        is in memory at a time (a collective: iterate on every rank)."""
+        return named_weights(self._assemble(), self._keys(), self.other_values(exclude_frozen_parameters), dtype)
 
-    def other_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def other_values(self, exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, whole value) of each state-dict entry that is not trained
-        (buffers, frozen parameters), one at a time (stage 3 gathers frozen
-        parameters: a collective, iterate on every rank)."""
+        (buffers, and frozen parameters unless excluded), one at a time
+        (stage 3 gathers frozen parameters: a collective, iterate on every rank)."""
         for key, value in self.state_entries().others:
-            yield key, self.weights.whole(value)
+            if not (exclude_frozen_parameters and isinstance(value, torch.nn.Parameter)):
+                yield key, self.weights.whole(value)
 
     def assign_others(self, values: dict[str, torch.Tensor]) -> None:
         """State-dict entries that are not trained take these values (a frozen
@@ -340,12 +342,14 @@ class Engine:
             for key, value in values.items():
                 self.weights.assign(entries[key], value)
 
-    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    def state_dict(self, dtype: torch.dtype = torch.float32,
+                   exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict, consolidated from the fp32 master weights, in
-        the model's key order (a collective: call it on every rank). It holds
+        the model's key order (a collective: call it on every rank); without
+        the frozen parameters if asked (a LoRA's adapter and buffers). It holds
         the whole model: for large ones, ``export`` streams to a file instead."""
-        entries = dict((k, v.clone()) for k, v in self.full_weights(dtype))
-        return {k: entries[k] for k in self.module.state_dict(keep_vars=True)}
+        entries = dict((k, v.clone()) for k, v in self.full_weights(dtype, exclude_frozen_parameters))
+        return {k: entries[k] for k in self.module.state_dict(keep_vars=True) if k in entries}
 
     def export_plan(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(key, dtype, shape) of what ``export`` writes, in its order."""
@@ -369,20 +373,23 @@ class Engine:
 
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Save the full training state (fp32 master weights, Adam moments,
-        counters, loss scale, RNG states, buffers, ``client_state``: JSON)
-        under ``save_dir/tag`` (default tag ``global_step<N>``), between steps.
+        counters, loss scale, RNG states, buffers, frozen parameters unless
+        ``exclude_frozen_parameters``, ``client_state``: JSON) under
+        ``save_dir/tag`` (default tag ``global_step<N>``), between steps.
         It appears complete or not at all (Note [checkpoint atomicity]); every
         rank must call it. With the delayed update, the update in flight is
         applied first, so the weights saved are the optimizer's newest.
         Returns the checkpoint directory."""
-        return checkpoint.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         """Restore a checkpoint saved by an engine with the same model, layout and
         world size (``load_dir`` and ``tag`` as in save; no tag: the one named by
-        ``load_dir/latest``). Returns (checkpoint directory, client_state)."""
+        ``load_dir/latest``); frozen parameters it left out keep the values they
+        have. Returns (checkpoint directory, client_state)."""
         return checkpoint.load(self, load_dir, tag)
 
     @property

@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import warnings
 
 import torch
@@ -180,6 +181,11 @@ def _agrees(given, expected) -> bool:
     if isinstance(expected, bool):
         return given is expected
     return isinstance(given, (int, float)) and not isinstance(given, bool) and float(given) == float(expected)
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a PEFT model's class is loaded already; offload does not need peft
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -333,16 +339,24 @@ class OffloadTrainer(transformers.Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The consolidated weights (compute dtype) and the model's config files,
-        as ``from_pretrained`` reads them; every rank takes part, rank 0 writes."""
+        as ``from_pretrained`` reads them; for a PEFT model, its adapter, as
+        ``PeftModel.save_pretrained`` writes it, from the trained weights alone
+        (the base model is not gathered). Every rank takes part, rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.engine.save_pretrained(output_dir, dtype=self.engine.dtype)
+        if _is_peft(self.model):
+            adapter = self.engine.state_dict(dtype=self.engine.dtype, exclude_frozen_parameters=True)
+            if self.args.should_save:
+                self.model.save_pretrained(output_dir, state_dict=adapter)
+        else:
+            self.engine.save_pretrained(output_dir, dtype=self.engine.dtype)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT)
+        # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
+        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT, exclude_frozen_parameters=_is_peft(self.model))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 

@@ -8,7 +8,6 @@ runs it in process, and under torchrun for two ranks:
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -43,6 +42,20 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
+
+
+def lora_gpt2() -> torch.nn.Module:
+    """tiny_gpt2 under a PEFT LoRA adapter on its attention, the adapter's B
+    drawn at random (PEFT starts it at zero) so it matters from the first step."""
+    import peft
+
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                             lora_dropout=0.0, fan_in_fan_out=True))
+    torch.manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -81,13 +94,14 @@ def arguments(out: str, max_steps: int = STEPS, save_steps: int | None = None) -
 
 
 def train(out: str, stage: int | None, nvme: str | None = None, resume: str | None = None,
-          save_steps: int | None = None, scheduler: dict | None = None) -> transformers.Trainer:
+          save_steps: int | None = None, scheduler: dict | None = None, lora: bool = False) -> transformers.Trainer:
     """Plain Trainer when ``stage`` is None; else OffloadTrainer at that stage,
     swap files under ``nvme``. With ``scheduler`` (WARMUP_DECAY), the offload
-    config has that section, and the plain Trainer follows warmup_decay_rate."""
+    config has that section, and the plain Trainer follows warmup_decay_rate;
+    with ``lora``, the model is lora_gpt2."""
     from offload.hf import OffloadTrainer
 
-    model = copy.deepcopy(tiny_gpt2())
+    model = lora_gpt2() if lora else tiny_gpt2()
     if nvme is not None:
         os.makedirs(nvme, exist_ok=True)
     args = arguments(out, save_steps=save_steps)

@@ -91,6 +91,32 @@ def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage, scheduler):
     resumed.engine.close()
 
 
+def test_a_peft_model_trains_saves_its_adapter_and_resumes(tmp_path):
+    """A LoRA (PEFT) at stage 3, weights and optimizer on NVMe: plain Trainer's
+    losses; checkpoints hold the adapter, as the Trainer writes it, and an
+    engine checkpoint without the frozen base; the saved adapter loads onto a
+    fresh base with the trained values; resuming continues bitwise."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    plain = run.train(str(tmp_path / "plain"), None, lora=True)
+    whole = run.train(str(tmp_path / "run"), 3, nvme=str(tmp_path / "nvme1"), save_steps=10, lora=True)
+    assert _relative(run.logged(plain, "loss"), run.logged(whole, "loss")) < TOLERANCE
+    checkpoint = tmp_path / "run" / "checkpoint-10"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(checkpoint))
+    assert not (checkpoint / "model.safetensors").exists()
+    manifest = json.loads((checkpoint / "offload" / "manifest.json").read_text())
+    assert not any("base_layer" in key or "wte" in key for key in manifest["extra_keys"])
+    trained = whole.engine.state_dict(exclude_frozen_parameters=True)
+    assert trained.keys() == {k for k, p in whole.model.named_parameters() if p.requires_grad}
+    whole.save_model(str(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(run.tiny_gpt2(), str(tmp_path / "adapter"))
+    adapter = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert adapter.keys() == trained.keys() and all(torch.equal(adapter[k], trained[k]) for k in trained)
+    resumed = run.train(str(tmp_path / "again"), 3, nvme=str(tmp_path / "nvme2"), resume=str(checkpoint), lora=True)
+    assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
+    whole.engine.close()
+    resumed.engine.close()
+
+
 def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):
     plain = run.train(str(tmp_path / "plain"), None, save_steps=10)
     with pytest.raises(Exception, match="no engine checkpoint"):

@@ -9,7 +9,7 @@ A checkpoint is a directory ``<save_dir>/<tag>/`` holding
                       engine), every file's checksums, and its own;
   rank-00000.bin ...  rank r's owned shard as three fp32 sections of ``owned``
                       elements: master weights, exp_avg, exp_avg_sq;
-  extra.safetensors   what is not trained (buffers, frozen parameters), from rank 0;
+  extra.safetensors   what is not trained (buffers, frozen parameters unless left out), from rank 0;
 and ``<save_dir>/latest`` names the newest tag. Each section carries a CRC-32
 per ``CHUNK_BYTES``, checked before any byte of that chunk is used; the
 manifest and extra.safetensors carry one each, checked before they are parsed.

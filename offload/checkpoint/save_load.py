@@ -74,7 +74,7 @@ class Checkpointable(Protocol):
 
     def state_entries(self) -> StateEntries: ...
 
-    def other_values(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def other_values(self, exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, whole value) of each buffer and frozen parameter (a collective)."""
 
     def assign_others(self, values: dict[str, torch.Tensor]) -> None: ...
@@ -98,7 +98,8 @@ def layout_records(engine: Checkpointable) -> list[BucketRecord]:
             for b in engine.layout.buckets]
 
 
-def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: dict | None) -> str:
+def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: dict | None,
+         exclude_frozen_parameters: bool = False) -> str:
     """Note [checkpoint atomicity]. A collective: every rank calls it."""
     progress = engine.training_state()
     _require_step_boundary(engine, progress, "save_checkpoint")
@@ -121,7 +122,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
             shutil.rmtree(partial, ignore_errors=True)
         raise
     rngs = _agree(rng.capture, True)
-    extras = [(key, value.detach().cpu()) for key, value in engine.other_values()]
+    extras = [(key, value.detach().cpu()) for key, value in engine.other_values(exclude_frozen_parameters)]
     manifest = Manifest(
         format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
         compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
@@ -256,7 +257,9 @@ def _check_fits(engine: Checkpointable, directory: str, manifest: Manifest) -> b
     where = os.path.join(directory, MANIFEST)
     if len(manifest.rng) != manifest.world_size:
         raise CheckpointError(f"{where}: {len(manifest.rng)} RNG states for {manifest.world_size} ranks; the manifest is damaged")
-    if manifest.extra_keys != [key for key, _ in engine.state_entries().others]:
+    others = engine.state_entries().others
+    unfrozen = [key for key, value in others if not isinstance(value, torch.nn.Parameter)]
+    if manifest.extra_keys not in ([key for key, _ in others], unfrozen):  # saved with or without the frozen ones
         raise CheckpointError(f"{where}: buffers and frozen parameters {manifest.extra_keys} differ from this model's")
     return manifest.world_size == engine.world and manifest.layout == layout_records(engine)
 

@@ -124,3 +124,21 @@ def test_stage3_exports_and_loads_frozen_weights_into_their_parts(tmp_path):
         got = engine.state_dict()
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     assert not torch.equal(expected["embed.weight"], _model(seed=0).embed.weight)
+
+
+def test_a_checkpoint_may_leave_the_frozen_parameters_out(tmp_path):
+    """``exclude_frozen_parameters`` (DeepSpeed's name): the checkpoint holds
+    the trained state and buffers only; a model loading it keeps its own
+    frozen values, and gets the trained ones."""
+    cfg = config(3, "nvme", 1, str(tmp_path), param_device="nvme")
+    with train_engine(_model(), 2, 1, cfg) as engine:
+        engine.save_checkpoint(str(tmp_path / "saves"), exclude_frozen_parameters=True)
+        trained = engine.state_dict(exclude_frozen_parameters=True)
+    assert not set(trained) & {*FROZEN, "head.weight"}
+    other = _model(seed=5)
+    own = _frozen_values(other)
+    with offload.initialize(other, cfg) as engine:
+        engine.load_checkpoint(str(tmp_path / "saves"))
+        state = engine.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in own.items())
+    assert all(torch.equal(state[k], v) for k, v in trained.items())

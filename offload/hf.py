@@ -48,7 +48,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 import warnings
 
 import torch
@@ -56,6 +55,7 @@ import torch
 import offload
 from offload.config import Config
 from offload.errors import CheckpointError, ConfigError, UsageError
+from offload.load_weights import is_peft_model
 from offload.schedule import Schedule, schedule_of
 from offload.zero.materialize import is_meta
 
@@ -181,11 +181,6 @@ def _agrees(given, expected) -> bool:
     if isinstance(expected, bool):
         return given is expected
     return isinstance(given, (int, float)) and not isinstance(given, bool) and float(given) == float(expected)
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    peft = sys.modules.get("peft")  # a PEFT model's class is loaded already; offload does not need peft
-    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -343,7 +338,7 @@ class OffloadTrainer(transformers.Trainer):
         ``PeftModel.save_pretrained`` writes it, from the trained weights alone
         (the base model is not gathered). Every rank takes part, rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft(self.model):
+        if is_peft_model(self.model):
             adapter = self.engine.state_dict(dtype=self.engine.dtype, exclude_frozen_parameters=True)
             if self.args.should_save:
                 self.model.save_pretrained(output_dir, state_dict=adapter)
@@ -356,7 +351,8 @@ class OffloadTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
-        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT, exclude_frozen_parameters=_is_peft(self.model))
+        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
+                                    exclude_frozen_parameters=is_peft_model(self.model))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 

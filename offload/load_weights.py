@@ -14,14 +14,20 @@ A tied weight (one parameter under several keys) is read from whichever of
 its keys the checkpoint has, as ``from_pretrained`` does. A trainable
 parameter under none of its keys is an error naming it, unless
 ``allow_missing`` says the model's own initial values stand (a new head on
-a pretrained body); a shape that differs is always one. Buffers and frozen parameters the checkpoint has are copied too;
-those it lacks keep what the model's own initialisation gave them.
+a pretrained body); so is a frozen one (a LoRA's base left as initialised
+would train the adapter on noise), and a shape that differs always is.
+Buffers the checkpoint has are copied too; those it lacks keep what the
+model's own initialisation gave them. A PEFT model's keys are also looked for
+under the base model's names (``checkpoint_names``), and its trainable
+parameters the checkpoint lacks (the adapter's own) keep their values, with
+a warning naming them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -85,8 +91,8 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
     """Load the checkpoint at ``path`` into ``engine``'s weights, before its first
     step (the optimizer's moments start from zero). A collective in the sense
     that every rank must call it; each reads only what it owns.
-    ``allow_missing``: trainable parameters the checkpoint lacks (a new head,
-    say) keep the values the model's own initialisation gave them, with a
+    ``allow_missing``: parameters the checkpoint lacks (a new head, say)
+    keep the values the model's own initialisation gave them, with a
     warning naming them, instead of being an error."""
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
@@ -95,31 +101,48 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
     try:
         entries = engine.state_entries()
         layout = engine.layout
-        source, missing = {}, []
+        names = checkpoint_names(engine.module)
+
+        def found_shaped(keys: list[str], shape: tuple[int, ...]) -> str | None:
+            """The name under which the checkpoint holds the tensor of ``keys`` (None: it does not)."""
+            found = next((name for key in keys for name in names(key) if name in checkpoint), None)
+            if found is not None and tuple(checkpoint.shape(found)) != tuple(shape):
+                raise UsageError(f"{found} has shape {list(checkpoint.shape(found))} in {path} but "
+                                 f"{list(shape)} in the model")
+            return found
+
+        source, missing, adapter = {}, [], []
         for slot in layout.slots:
             keys = entries.keys_of[slot.param]
-            found = next((k for k in keys if k in checkpoint), None)
-            if found is None:
+            found = found_shaped(keys, slot.shape)
+            if found is not None:
+                source[slot] = found
+            else:  # a PEFT adapter's own weights are not in its base's checkpoint
+                (adapter if is_peft_model(engine.module) else missing).append(" / ".join(keys))
+        if adapter:
+            warnings.warn(f"offload.load_weights: {_some(adapter)} not in {path}; they keep the values the PEFT "
+                          "model gave them (its adapter's own)", UserWarning, stacklevel=2)
+        others: dict[torch.Tensor, list[str]] = {}  # a tied tensor's keys together
+        for key, value in entries.others:
+            others.setdefault(value, []).append(key)
+        found_others = {}
+        for value, keys in others.items():
+            found = found_shaped(keys, value.shape)
+            if found is not None:
+                found_others[keys[0]] = found
+            elif isinstance(value, torch.nn.Parameter):  # frozen: a LoRA's base must not stay as initialised
                 missing.append(" / ".join(keys))
-                continue
-            if tuple(checkpoint.shape(found)) != tuple(slot.shape):
-                raise UsageError(f"{found} has shape {list(checkpoint.shape(found))} in {path} but "
-                                 f"{list(slot.shape)} in the model")
-            source[slot] = found
         if missing:
-            named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            named = _some(missing)
             if not allow_missing:
-                raise UsageError(f"{named} missing from {path}: a trainable parameter needs a value (check the "
+                raise UsageError(f"{named} missing from {path}: a parameter needs a value (check the "
                                  "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
                                  "to keep the model's own initial values for them)")
             warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
                           UserWarning, stacklevel=2)
-        for key, value in entries.others:
-            if key in checkpoint:
-                if tuple(checkpoint.shape(key)) != tuple(value.shape):
-                    raise UsageError(f"{key} has shape {list(checkpoint.shape(key))} in {path} but "
-                                     f"{list(value.shape)} in the model")
-                engine.assign_others({key: checkpoint.read(key).view(value.shape)})
+        tensors = dict(entries.others)
+        for key, found in found_others.items():
+            engine.assign_others({key: checkpoint.read(found).view(tensors[key].shape)})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)
         kept = _own_values(engine, [p for p in pieces if p.slot not in source])
@@ -141,6 +164,26 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
         checkpoint.close()
 
 
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a PEFT model's class is loaded already; offload does not need peft
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def checkpoint_names(model: torch.nn.Module) -> Callable[[str], tuple[str, ...]]:
+    """The names a state-dict key of ``model`` may have in a pretrained
+    checkpoint: its own and, for a PEFT model, the base model's (without the
+    ``base_model.model.`` prefix and the ``base_layer`` level PEFT adds), since
+    the base comes from the base model's checkpoint."""
+    if not is_peft_model(model):
+        return lambda key: (key,)
+    prefix = "base_model.model."
+    return lambda key: (key, key.removeprefix(prefix).replace(".base_layer.", "."))
+
+
 def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):
     """An ``init_fn`` for a model built on the meta device whose weights will come
     from the checkpoint at ``path``: a module whose own parameters and buffers
@@ -150,6 +193,7 @@ def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.n
     error only when the checkpoint does not cover it."""
     checkpoint = SafetensorsCheckpoint(path)
     checkpoint.close()
+    names = checkpoint_names(model)
     keys_of: dict[int, list[str]] = {}  # a tensor's keys, tied ones included
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, t in [*module._parameters.items(), *module._buffers.items()]:
@@ -159,7 +203,7 @@ def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.n
     uncovered = {(id(module), name): keys_of[id(t)]
                  for module in model.modules()
                  for name, t in [*module._parameters.items(), *module._buffers.items()]
-                 if t is not None and not any(k in checkpoint for k in keys_of[id(t)])}
+                 if t is not None and not any(n in checkpoint for k in keys_of[id(t)] for n in names(k))}
 
     def init(module: torch.nn.Module) -> None:
         missing = [" / ".join(uncovered[id(module), n]) for n in [*module._parameters, *module._buffers]

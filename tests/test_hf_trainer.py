@@ -14,7 +14,10 @@ import sys
 import pytest
 import torch
 
+import offload
+from offload.load_weights import checkpoint_names
 from offload.errors import ConfigError, UsageError
+from offload.safetensors_file import write_safetensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install -e .[hf])")
@@ -115,6 +118,41 @@ def test_a_peft_model_trains_saves_its_adapter_and_resumes(tmp_path):
     assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
     whole.engine.close()
     resumed.engine.close()
+
+
+def test_a_peft_model_loads_its_base_from_the_base_models_checkpoint(tmp_path):
+    """load_weights finds a PEFT model's base weights under the base model's
+    names (no base_model.model. prefix, no base_layer level), at stage 3 where
+    they are frozen partitions; a base checkpoint lacking one is an error."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    base = run.tiny_gpt2()
+    torch.manual_seed(7)
+    for p in base.parameters():  # values unlike the fresh model's
+        torch.nn.init.normal_(p, std=0.05)
+    base.save_pretrained(str(tmp_path / "base"))
+    model = run.lora_gpt2()
+    adapter = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "stage3_param_persistence_threshold": 0}}
+    with offload.initialize(model, config) as engine:
+        with pytest.warns(UserWarning, match=r"lora_A.default.weight.* keep the values the PEFT model gave them"):
+            offload.load_weights(engine, str(tmp_path / "base"))
+        state = engine.state_dict()
+    names = checkpoint_names(model)
+    expected = base.state_dict()
+    for key, value in state.items():
+        if "lora_" in key:
+            assert torch.equal(value, adapter[key]), key  # not in the base checkpoint: the model's own
+        else:
+            assert torch.equal(value, expected[names(key)[-1]]), key
+    del expected["transformer.h.1.mlp.c_fc.weight"]  # a frozen base weight the checkpoint lacks
+    partial = str(tmp_path / "partial.safetensors")
+    write_safetensors(partial, [(k, v.dtype, tuple(v.shape)) for k, v in expected.items()], expected.items())
+    with offload.initialize(run.lora_gpt2(), config) as engine:
+        with pytest.raises(UsageError, match=r"c_fc.weight missing from"):
+            offload.load_weights(engine, partial)
+    assert isinstance(model, peft.PeftModel)
 
 
 def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):

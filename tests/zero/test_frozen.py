@@ -10,6 +10,8 @@ import torch
 
 import offload
 from offload import _native
+from offload.errors import UsageError
+from offload.safetensors_file import write_safetensors
 from offload.zero.stage3 import ParamState
 
 from .harness import (config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
@@ -142,3 +144,23 @@ def test_a_checkpoint_may_leave_the_frozen_parameters_out(tmp_path):
         state = engine.state_dict()
     assert all(torch.equal(state[k], v) for k, v in own.items())
     assert all(torch.equal(state[k], v) for k, v in trained.items())
+
+
+def test_a_frozen_parameter_missing_from_pretrained_weights_is_an_error(tmp_path):
+    """A frozen parameter the checkpoint lacks would stay as initialised (a
+    LoRA's base as noise): named, as a trainable one is; allow_missing keeps
+    it, with a warning."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    source = make_model(5).state_dict()
+    kept = {k: v for k, v in source.items() if k != "blocks.1.0.weight"}
+    path = str(tmp_path / "partial.safetensors")
+    write_safetensors(path, [(k, v.dtype, tuple(v.shape)) for k, v in kept.items()], kept.items())
+    with offload.initialize(_model(), cfg) as engine:
+        with pytest.raises(UsageError, match=r"blocks.1.0.weight missing from .*a parameter needs a value"):
+            offload.load_weights(engine, path)
+    with offload.initialize(_model(), cfg) as engine:
+        with pytest.warns(UserWarning, match="blocks.1.0.weight not in"):
+            offload.load_weights(engine, path, allow_missing=True)
+        state = engine.state_dict()
+    assert torch.equal(state["blocks.1.0.weight"], _model().blocks[1][0].weight)
+    assert all(torch.equal(state[k], v) for k, v in kept.items())

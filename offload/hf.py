@@ -183,6 +183,22 @@ def _agrees(given, expected) -> bool:
     return isinstance(given, (int, float)) and not isinstance(given, bool) and float(given) == float(expected)
 
 
+def _check_schedule_early(resolved: dict) -> None:
+    """The scheduler section's type and keys, checked before ``train()`` knows
+    the step counts (any allowed values stand in for those still "auto");
+    ``create_scheduler`` loads it for real, and warns then."""
+    section = copy.deepcopy(resolved["scheduler"])
+    params = section.get("params", {})
+    if params.get("warmup_num_steps") == "auto":
+        params["warmup_num_steps"] = 1
+    if params.get("total_num_steps") == "auto":
+        warmup = params.get("warmup_num_steps")
+        params["total_num_steps"] = warmup if isinstance(warmup, int) and warmup > 0 else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Config.load({"optimizer": resolved["optimizer"], "scheduler": section})
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """What the Trainer steps and schedules (Note [Trainer wiring]): one group
     whose ``lr`` the schedule sets; ``step`` gives it to the engine. The
@@ -257,7 +273,8 @@ class OffloadTrainer(transformers.Trainer):
         optimizers = kwargs.pop("optimizers", (None, None))
         if any(o is not None for o in optimizers) or kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise UsageError("OffloadTrainer builds the optimizer from offload_config and the schedule from "
-                             "TrainingArguments; drop optimizers= / optimizer_cls_and_kwargs=")
+                             "TrainingArguments (or offload_config's scheduler section); drop optimizers= / "
+                             "optimizer_cls_and_kwargs=")
         args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
         if args.deepspeed or args.fsdp:
             raise UsageError("OffloadTrainer replaces DeepSpeed and FSDP: drop TrainingArguments.deepspeed / fsdp")
@@ -269,9 +286,11 @@ class OffloadTrainer(transformers.Trainer):
         kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
         unused = ([f"lr_scheduler_type {kind!r}"] if kind != "linear" else []) + \
             (["lr_scheduler_kwargs"] if args.lr_scheduler_kwargs else [])
-        if "scheduler" in resolved and unused:
-            warnings.warn(f"OffloadTrainer: TrainingArguments.{' and '.join(unused)} not used: offload_config's "
-                          "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=2)
+        if "scheduler" in resolved:
+            _check_schedule_early(resolved)
+            if unused:
+                warnings.warn(f"OffloadTrainer: TrainingArguments.{' and '.join(unused)} not used: offload_config's "
+                              "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=2)
         if resolved["optimizer"]["params"].get("weight_decay", 0):
             warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
                           "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
@@ -293,6 +312,12 @@ class OffloadTrainer(transformers.Trainer):
         resolved = resolve_config(self._offload_config, self.args, self.model, steps=num_training_steps)
         if "scheduler" not in resolved:
             return super().create_scheduler(num_training_steps, optimizer)
+        params = resolved["scheduler"].get("params", {})
+        warmup, total = params.get("warmup_num_steps"), params.get("total_num_steps")
+        if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+            raise ConfigError(f"TrainingArguments' warm-up ({warmup} steps) is longer than the run ({total} steps), "
+                              "which offload_config's scheduler takes as its warmup_num_steps and total_num_steps; "
+                              "lower warmup_steps or train for more steps")
         schedule = schedule_of(Config.load({k: resolved[k] for k in ("optimizer", "scheduler")}))
         self.lr_scheduler = DeepSpeedSchedule(optimizer or self.optimizer, schedule, self.engine)
         self._created_lr_scheduler = True

@@ -241,6 +241,14 @@ def test_settings_the_engine_replaces_are_refused(tmp_path):
                                                save_strategy="steps"), offload_config=config)
     with pytest.raises(UsageError, match="needs offload_config"):
         OffloadTrainer(model=model, args=_args(tmp_path))
+    # a scheduler section is checked at construction, its step counts in train()
+    with pytest.raises(ConfigError, match="scheduler.type"):
+        OffloadTrainer(model=model, args=_args(tmp_path), offload_config={**config, "scheduler": {"type": "OneCycle"}})
+    long_warmup = OffloadTrainer(model=model, args=_args(tmp_path, max_steps=4, warmup_steps=6), nvme_path=str(tmp_path),
+                                 offload_config={**config, "scheduler": run.WARMUP_DECAY}, train_dataset=run.Tokens())
+    with pytest.raises(ConfigError, match=r"warm-up \(6 steps\) is longer than the run \(4 steps\)"):
+        long_warmup.train()
+    long_warmup.engine.close()
     # not refused, since DeepSpeed's own integration accepts both, but said
     config["scheduler"] = run.WARMUP_DECAY
     with pytest.warns(UserWarning, match="TrainingArguments.lr_scheduler_type 'cosine' not used"):

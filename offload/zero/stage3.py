@@ -510,11 +510,12 @@ class PartitionedWeights:
     # -- publishing new weights (the Weights interface) -----------------------------------
 
     def begin_publish(self) -> None:
-        """New weights are coming: give back read-ahead, free gathered copies (stale now)."""
+        """New weights are coming: give back read-ahead, free gathered copies of
+        trained parameters (stale now; frozen ones stay as they are)."""
         self._drop_read_ahead()
         self._incoming = {}
         for m in self._managed.values():
-            if m.state is ParamState.GATHERED:
+            if m.state is ParamState.GATHERED and m.layout is self.layout:
                 m.forward_refs = m.backward_refs = 0
                 self._free(m)
 

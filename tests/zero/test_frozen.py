@@ -14,7 +14,7 @@ from offload.errors import UsageError
 from offload.safetensors_file import write_safetensors
 from offload.zero.stage3 import ParamState
 
-from .harness import (config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
+from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
                       train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -164,3 +164,21 @@ def test_a_frozen_parameter_missing_from_pretrained_weights_is_an_error(tmp_path
         state = engine.state_dict()
     assert torch.equal(state["blocks.1.0.weight"], _model().blocks[1][0].weight)
     assert all(torch.equal(state[k], v) for k, v in kept.items())
+
+
+def test_a_step_does_not_gather_persistent_frozen_parameters_again(tmp_path):
+    """New weights make gathered copies of trained parameters stale, not of
+    frozen ones: a persistent frozen parameter stays gathered across steps."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    with train_engine(_model(), 1, 1, cfg) as engine:
+        gathered, gather = [], engine.weights._gather
+        def counted(m, record=True):
+            if m.state is ParamState.PARTITIONED:
+                gathered.append(m.slot.name)
+            gather(m, record)
+
+        engine.weights._gather = counted
+        engine.backward(engine(batch(1, 0, 0)))
+        engine.step()
+    assert "norm.bias" in gathered and "norm.weight" not in gathered  # both persistent; the weight is frozen
+    assert "blocks.1.0.weight" in gathered  # frozen, not persistent: gathered for its module, as before

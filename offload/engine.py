@@ -326,21 +326,29 @@ class Engine:
         is in memory at a time (a collective: iterate on every rank)."""
         return named_weights(self._assemble(), self._keys(), self.other_values(exclude_frozen_parameters), dtype)
 
-    def other_values(self, exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(key, whole value) of each state-dict entry that is not trained
-        (buffers, and frozen parameters unless excluded), one at a time
-        (stage 3 gathers frozen parameters: a collective, iterate on every rank)."""
-        for key, value in self.state_entries().others:
-            if not (exclude_frozen_parameters and isinstance(value, torch.nn.Parameter)):
-                yield key, self.weights.whole(value)
+    def other_entries(self, exclude_frozen_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """(key, the module's tensor) of each state-dict entry that is not
+        trained: buffers, and frozen parameters unless excluded (at stage 3
+        these have no storage: ``other_values`` gathers them)."""
+        others = self.state_entries().others
+        if exclude_frozen_parameters:
+            return [(k, v) for k, v in others if not isinstance(v, torch.nn.Parameter)]
+        return others
 
-    def assign_others(self, values: dict[str, torch.Tensor]) -> None:
-        """State-dict entries that are not trained take these values (a frozen
-        parameter at stage 3: this rank's part of it, in its tier)."""
+    def other_values(self, exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, whole value) of each of ``other_entries``, one at a time
+        (stage 3 gathers frozen parameters: a collective, iterate on every rank)."""
+        for key, value in self.other_entries(exclude_frozen_parameters):
+            yield key, self.weights.whole(value)
+
+    def assign_others(self, values: dict[str, Callable[[int, int], torch.Tensor]]) -> None:
+        """State-dict entries that are not trained take the values each
+        ``read(lo, hi)`` gives for the entry's flat elements [lo, hi) (a
+        frozen parameter at stage 3 reads only this rank's part, for its tier)."""
         entries = dict(self.state_entries().others)
         with torch.no_grad():
-            for key, value in values.items():
-                self.weights.assign(entries[key], value)
+            for key, read in values.items():
+                self.weights.assign(entries[key], read)
 
     def state_dict(self, dtype: torch.dtype = torch.float32,
                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:

@@ -3,12 +3,13 @@
 ``load_weights(engine, path)`` reads a safetensors checkpoint (one file, or a
 directory holding ``model.safetensors`` or ``model.safetensors.index.json``
 and its shards, Hugging Face's layout) under the model's state-dict keys. Each
-rank reads only the slices of each tensor it owns and writes them into its
-master weights, sub-group by sub-group, through the same path a checkpoint
-load takes (``Engine.load_shard_state``), which then publishes the compute
-weights to their tier. So the whole model is never in host memory, whatever
-the stage or tier, and a model built under ``offload.init`` needs no values
-of its own first.
+rank reads only the slices of each trainable tensor it owns and writes them
+into its master weights, sub-group by sub-group, through the same path a
+checkpoint load takes (``Engine.load_shard_state``), which then publishes the
+compute weights to their tier; at stage 3 a frozen parameter's part goes
+straight to its tier, read slice by slice too. So the whole model is never in
+host memory, whatever the stage or tier, and a model built under
+``offload.init`` needs no values of its own first.
 
 A tied weight (one parameter under several keys) is read from whichever of
 its keys the checkpoint has, as ``from_pretrained`` does. A trainable
@@ -25,6 +26,7 @@ a warning naming them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -140,9 +142,8 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
                                  "to keep the model's own initial values for them)")
             warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
                           UserWarning, stacklevel=2)
-        tensors = dict(entries.others)
         for key, found in found_others.items():
-            engine.assign_others({key: checkpoint.read(found).view(tensors[key].shape)})
+            engine.assign_others({key: functools.partial(checkpoint.read, found)})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)
         kept = _own_values(engine, [p for p in pieces if p.slot not in source])

@@ -201,19 +201,34 @@ def resolve(path: str, tag: str | None = None) -> str:
     return directory
 
 
-def read_extras(directory: str, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters, checksum verified first."""
+def file_crc32(path: str) -> int:
+    """The CRC-32 of a whole file, read a chunk at a time."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verified_extras(directory: str, manifest: Manifest) -> str | None:
+    """The path of the buffers and frozen parameters, its checksum verified
+    (None: the checkpoint holds none)."""
     if not manifest.extra_keys:
-        return {}
+        return None
     path = os.path.join(directory, EXTRA)
     try:
-        with open(path, "rb") as f:
-            crc = zlib.crc32(f.read())
+        crc = file_crc32(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror}; the checkpoint is incomplete") from None
     if crc != manifest.extra_crc32:
         raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
-    return read_safetensors(path)
+    return path
+
+
+def read_extras(directory: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters, all in memory, checksum verified first."""
+    path = verified_extras(directory, manifest)
+    return {} if path is None else read_safetensors(path)
 
 
 # -- chunked, checksummed sections ------------------------------------------------------

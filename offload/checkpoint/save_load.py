@@ -17,10 +17,10 @@ rank waits forever in a collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -43,15 +43,16 @@ from offload.checkpoint.format import (
     TrainingState,
     encode_manifest,
     fsync_dir,
+    file_crc32,
     rank_file,
-    read_extras,
     read_manifest,
     resolve,
+    verified_extras,
     write_synced,
 )
 from offload.errors import CheckpointError, StorageError, UsageError
 from offload.pretrained import model_configs
-from offload.safetensors_file import write_safetensors
+from offload.safetensors_file import SafetensorsReader, write_safetensors
 from offload.zero import comm
 from offload.zero.consolidate import StateEntries
 from offload.zero.layout import FlatLayout
@@ -74,10 +75,12 @@ class Checkpointable(Protocol):
 
     def state_entries(self) -> StateEntries: ...
 
+    def other_entries(self, exclude_frozen_parameters: bool = False) -> list[tuple[str, torch.Tensor]]: ...
+
     def other_values(self, exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, whole value) of each buffer and frozen parameter (a collective)."""
 
-    def assign_others(self, values: dict[str, torch.Tensor]) -> None: ...
+    def assign_others(self, values: dict[str, Callable[[int, int], torch.Tensor]]) -> None: ...
 
     def training_state(self) -> TrainingState: ...
 
@@ -117,19 +120,19 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     _agree(_prepare, engine.rank == 0, save_dir, final, partial)
     try:
         crcs = _agree(_write_rank, True, engine, partial)
+        extra_keys, extra_crc32 = _agree(_write_extras, True, engine, partial, exclude_frozen_parameters)[0]
     except BaseException:
         if engine.rank == 0:  # every rank has closed its file: the preallocated space goes back now
             shutil.rmtree(partial, ignore_errors=True)
         raise
     rngs = _agree(rng.capture, True)
-    extras = [(key, value.detach().cpu()) for key, value in engine.other_values(exclude_frozen_parameters)]
     manifest = Manifest(
         format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
         compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
         client_state=client, files={rank_file(r): c for r, c in enumerate(crcs)},
-        extra_keys=[key for key, _ in extras], extra_crc32=0, layout=layout_records(engine), rng=rngs,
+        extra_keys=extra_keys, extra_crc32=extra_crc32, layout=layout_records(engine), rng=rngs,
     )
-    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, extras, model_configs(engine.module))
+    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
 
 
@@ -188,16 +191,24 @@ def _write_rank(engine: Checkpointable, partial: str) -> dict[str, list[int]]:
     return {name: w.crcs for name, w in zip(SECTIONS, writers)}
 
 
-def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, extras: list, configs: dict[str, str]) -> None:
+def _write_extras(engine: Checkpointable, partial: str, exclude_frozen_parameters: bool) -> tuple[list[str], int]:
+    """Buffers and frozen parameters (unless excluded) into one file, written
+    by rank 0 as every rank gathers them one at a time (stage 3 partitions
+    frozen ones); its keys and CRC-32."""
+    entries = engine.other_entries(exclude_frozen_parameters)
+    if not entries:
+        return [], 0
+    path = os.path.join(partial, EXTRA)
+    values = ((key, value.detach().cpu()) for key, value in engine.other_values(exclude_frozen_parameters))
+    write_safetensors(path, [(k, v.dtype, tuple(v.shape)) for k, v in entries], values, write=engine.rank == 0)
+    return [key for key, _ in entries], file_crc32(path) if engine.rank == 0 else 0
+
+
+def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, configs: dict[str, str]) -> None:
     """``configs``: the model's Hugging Face config files (``export --hf`` copies them)."""
     try:
         for name, text in configs.items():
             write_synced(os.path.join(partial, name), text.encode())
-        if extras:
-            extra_path = os.path.join(partial, EXTRA)
-            write_safetensors(extra_path, [(k, v.dtype, tuple(v.shape)) for k, v in extras], extras)
-            with open(extra_path, "rb") as f:
-                manifest = dataclasses.replace(manifest, extra_crc32=zlib.crc32(f.read()))
         write_synced(os.path.join(partial, MANIFEST), encode_manifest(manifest))
         fsync_dir(partial)
         os.rename(partial, final)
@@ -223,18 +234,29 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
         loaded["manifest"] = manifest = read_manifest(directory)
         loaded["same"] = _check_fits(engine, directory, manifest)
         engine.synchronize()
-        loaded["extras"] = read_extras(directory, manifest)
+        loaded["extras"] = verified_extras(directory, manifest)
 
     _agree(prepare, True)
     manifest, extras, same = loaded["manifest"], loaded["extras"], loaded["same"]
     _agree(_load_rank if same else load_resharded, True, engine, directory, manifest)
-    engine.assign_others(extras)
+    if extras is not None:
+        _agree(_load_extras, True, engine, extras, manifest.extra_keys)
     saved = manifest.training
     # This run's accumulation may differ from the saving run's: its micro-step count follows.
     engine.restore_training_state(dataclasses.replace(saved, micro_steps=saved.global_steps * engine.accumulation))
     if manifest.world_size == engine.world:  # each state is one saving rank's (Note [resharding])
         rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
     return directory, manifest.client_state
+
+
+def _load_extras(engine: Checkpointable, path: str, keys: list[str]) -> None:
+    """Buffers and frozen parameters, one tensor in memory at a time."""
+    reader = SafetensorsReader(path)
+    try:
+        for key in keys:
+            engine.assign_others({key: functools.partial(reader.read, key)})
+    finally:
+        reader.close()
 
 
 def _load_rank(engine: Checkpointable, directory: str, manifest: Manifest) -> None:
@@ -257,9 +279,8 @@ def _check_fits(engine: Checkpointable, directory: str, manifest: Manifest) -> b
     where = os.path.join(directory, MANIFEST)
     if len(manifest.rng) != manifest.world_size:
         raise CheckpointError(f"{where}: {len(manifest.rng)} RNG states for {manifest.world_size} ranks; the manifest is damaged")
-    others = engine.state_entries().others
-    unfrozen = [key for key, value in others if not isinstance(value, torch.nn.Parameter)]
-    if manifest.extra_keys not in ([key for key, _ in others], unfrozen):  # saved with or without the frozen ones
+    saved_as = ([key for key, _ in engine.other_entries(exclude)] for exclude in (False, True))
+    if manifest.extra_keys not in saved_as:  # with the frozen parameters or without
         raise CheckpointError(f"{where}: buffers and frozen parameters {manifest.extra_keys} differ from this model's")
     return manifest.world_size == engine.world and manifest.layout == layout_records(engine)
 

@@ -145,12 +145,14 @@ class FlatLayout:
                     yield piece
 
     def owned_values(self, bucket: Bucket, dtype: torch.dtype = torch.float32,
-                     values_of: Callable[[Slot], torch.Tensor] = lambda slot: slot.param) -> torch.Tensor:
-        """This rank's part of ``bucket``, zero-padded, read from each slot's
-        ``values_of`` (by default the parameter as it is now)."""
+                     read: Callable[[Slot, int, int], torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's part of ``bucket``, zero-padded: each piece's elements
+        [lo, hi) of its parameter, flattened, from ``read(slot, lo, hi)`` (by
+        default the parameter as it is now)."""
+        read = read or (lambda slot, lo, hi: slot.param.detach().reshape(-1)[lo:hi])
         part = torch.zeros(bucket.part, dtype=dtype)
         for piece in self.pieces_in(bucket, self.rank):
-            values = values_of(piece.slot).detach().reshape(-1)[piece.param_lo : piece.param_hi]
+            values = read(piece.slot, piece.param_lo, piece.param_hi)
             at = piece.owned_lo - bucket.owned_offset
             part[at : at + values.numel()].copy_(values)
         return part

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -235,18 +236,17 @@ class PartitionedWeights:
         self._free(m)
         return value
 
-    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
-        """``tensor`` takes ``value``: a frozen parameter in its part's tier (and
-        its gathered copy), anything else in place."""
+    def assign(self, tensor: torch.Tensor, read: Callable[[int, int], torch.Tensor]) -> None:
+        """``tensor`` takes the values ``read(lo, hi)`` gives for its flat
+        elements [lo, hi): a frozen parameter only this rank's part, into its
+        tier (and all of it, if gathered); anything else all of it, in place."""
         m = self._managed.get(tensor)
-        if m is None:
-            tensor.detach().copy_(value)
-            return
-        part = m.layout.owned_values(m.bucket, self.dtype, lambda slot: value.to(self.dtype))
-        self._write_shard(m, part, on_host=True)
-        self._land_uploads()
-        if m.state is ParamState.GATHERED:
-            tensor.detach().copy_(value)
+        if m is None or m.state is ParamState.GATHERED:
+            tensor.detach().copy_(read(0, tensor.numel()).view(tensor.shape))
+        if m is not None:
+            part = m.layout.owned_values(m.bucket, self.dtype, lambda slot, lo, hi: read(lo, hi))
+            self._write_shard(m, part, on_host=True)
+            self._land_uploads()
 
     def finish(self) -> None:
         """Every parameter was added: gather the persistent ones, install the hooks."""

@@ -49,6 +49,7 @@ of disk read and written each step (on nvme).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -95,8 +96,10 @@ class Weights(Protocol):
         collective where it is partitioned: every rank asks for the same ones,
         in the same order)."""
 
-    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
-        """A parameter or buffer that is not trained takes ``value``."""
+    def assign(self, tensor: torch.Tensor, read: Callable[[int, int], torch.Tensor]) -> None:
+        """A parameter or buffer that is not trained takes the values
+        ``read(lo, hi)`` gives for its flat elements [lo, hi) (where it is
+        partitioned, only those of this rank's part are read)."""
 
     def close(self) -> None: ...
 
@@ -228,8 +231,8 @@ class ReplicatedWeights:
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # every rank holds all of it
 
-    def assign(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
-        tensor.detach().copy_(value)
+    def assign(self, tensor: torch.Tensor, read: Callable[[int, int], torch.Tensor]) -> None:
+        tensor.detach().copy_(read(0, tensor.numel()).view(tensor.shape))
 
     def close(self) -> None:
         self.begin_publish()  # no upload may outlive the engine

@@ -4,12 +4,14 @@ at stage 3 the frozen ones are partitioned and paged like the trained ones,
 in every weight tier, and still reach state_dict, checkpoints and close."""
 
 import os
+import re
 
 import pytest
 import torch
 
 import offload
 from offload import _native
+from offload.checkpoint import save_load
 from offload.errors import UsageError
 from offload.safetensors_file import write_safetensors
 from offload.zero.stage3 import ParamState
@@ -70,7 +72,19 @@ def _train_and_check(stage: int, tier: str | None, nvme: str, saves: str, world:
         # a checkpoint holds the frozen weights: a model whose frozen ones differ gets them back
         engine.save_checkpoint(saves)
         with offload.initialize(_model(seed=5), cfg) as again:
+            frozen, read_elements, assign = again.module.blocks[1][0].weight, [], again.weights.assign
+
+            def counted(tensor, read):
+                def reading(lo, hi):
+                    if tensor is frozen:
+                        read_elements.append(hi - lo)
+                    return read(lo, hi)
+                assign(tensor, reading)
+
+            again.weights.assign = counted
             again.load_checkpoint(saves)
+            # at stage 3 each rank reads only its part of a frozen weight that is not gathered
+            result["frozen_read"] = sum(read_elements) / frozen.numel()
             result["reloaded"] = max_difference(again.state_dict(), ref)
     model = engine.module  # closed: every parameter whole again, in its own dtype
     result["closed"] = all(torch.equal(model.state_dict()[k], v) for k, v in initial.items()) and \
@@ -78,10 +92,11 @@ def _train_and_check(stage: int, tier: str | None, nvme: str, saves: str, world:
     return result
 
 
-def _assert_good(result: dict, stage: int, tier: str | None, where: str) -> None:
+def _assert_good(result: dict, stage: int, tier: str | None, where: str, world: int = 1) -> None:
     assert result["difference"] < TOLERANCE and result["reloaded"] < TOLERANCE, where
     assert result["frozen_kept"] and result["closed"], where
     assert result["whole_reported"] == result["whole_expected"], where
+    assert result["frozen_read"] == (1 / world if stage == 3 else 1), where
     if stage == 3:
         assert result["partitioned"] == [True, True] and result["persistent"], where
         assert result["tier"] == tier and result["no_storage"] and result["partition_covers_frozen"], where
@@ -109,7 +124,7 @@ def test_world_size_2(tmp_path):
         assert len(results) == 3
         for name, result in results.items():
             stage, tier = name.split("-")
-            _assert_good(result, int(stage), None if tier == "None" else tier, f"rank {rank} {name}")
+            _assert_good(result, int(stage), None if tier == "None" else tier, f"rank {rank} {name}", world=2)
 
 
 def test_stage3_exports_and_loads_frozen_weights_into_their_parts(tmp_path):
@@ -182,3 +197,38 @@ def test_a_step_does_not_gather_persistent_frozen_parameters_again(tmp_path):
         engine.step()
     assert "norm.bias" in gathered and "norm.weight" not in gathered  # both persistent; the weight is frozen
     assert "blocks.1.0.weight" in gathered  # frozen, not persistent: gathered for its module, as before
+
+
+def test_checkpoints_hold_one_gathered_frozen_parameter_at_a_time(tmp_path, monkeypatch):
+    """Saving gathers each frozen parameter as the extras file takes it (a
+    LoRA's base need not fit in host memory); loading reads each while it is
+    assigned."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    events = []
+    write, reader = save_load.write_safetensors, save_load.SafetensorsReader
+
+    def logged_write(path, plan, tensors, **kwargs):
+        def each():
+            for key, value in tensors:
+                events.append("write")
+                yield key, value
+        return write(path, plan, each(), **kwargs)
+
+    class LoggedReader(reader):
+        def read(self, key, lo=0, hi=None):
+            events.append("read")
+            return super().read(key, lo, hi)
+
+    monkeypatch.setattr(save_load, "write_safetensors", logged_write)
+    monkeypatch.setattr(save_load, "SafetensorsReader", LoggedReader)
+    with train_engine(_model(), 1, 1, cfg) as engine:
+        whole, assign = engine.weights.whole, engine.weights.assign
+        engine.weights.whole = lambda t: (events.append("gather"), whole(t))[1]
+        engine.weights.assign = lambda t, v: (events.append("assign"), assign(t, v))[1]
+        engine.save_checkpoint(str(tmp_path / "saves"))
+        saved, events[:] = list(events), []
+        engine.load_checkpoint(str(tmp_path / "saves"))
+        loaded, keys = list(events), len(engine.other_entries())
+    assert keys >= 5 and saved == ["gather", "write"] * keys
+    # each entry read only within its own assignment (once whole, once its part if gathered)
+    assert re.fullmatch(f"(AR+){{{keys}}}", "".join("A" if e == "assign" else "R" for e in loaded))

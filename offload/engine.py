@@ -28,6 +28,7 @@ from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.errors import ConfigError, UsageError
+from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
@@ -62,6 +63,8 @@ class Engine:
         was built under ``offload.init`` (default: the module's reset_parameters)."""
         self.module = model
         self.config = config
+        if is_meta(model):
+            init_fn = adapter_init(model, init_fn)  # Note [LoRA on the meta device]
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization

@@ -55,7 +55,7 @@ import torch
 import offload
 from offload.config import Config
 from offload.errors import CheckpointError, ConfigError, UsageError
-from offload.load_weights import is_peft_model
+from offload.peft_models import is_peft_model
 from offload.schedule import Schedule, schedule_of
 from offload.zero.materialize import is_meta
 

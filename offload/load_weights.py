@@ -29,13 +29,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 
 from offload.errors import UsageError
+from offload.peft_models import checkpoint_names, is_peft_model
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
 from offload.zero.materialize import default_init
@@ -167,22 +167,6 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
 
 def _some(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    peft = sys.modules.get("peft")  # a PEFT model's class is loaded already; offload does not need peft
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def checkpoint_names(model: torch.nn.Module) -> Callable[[str], tuple[str, ...]]:
-    """The names a state-dict key of ``model`` may have in a pretrained
-    checkpoint: its own and, for a PEFT model, the base model's (without the
-    ``base_model.model.`` prefix and the ``base_layer`` level PEFT adds), since
-    the base comes from the base model's checkpoint."""
-    if not is_peft_model(model):
-        return lambda key: (key,)
-    prefix = "base_model.model."
-    return lambda key: (key, key.removeprefix(prefix).replace(".base_layer.", "."))
 
 
 def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):

@@ -7,6 +7,7 @@ under DeepSpeed; "auto" values come from ``TrainingArguments`` and
 disagreements are errors that name both sides."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import offload
-from offload.load_weights import checkpoint_names
+from offload.peft_models import checkpoint_names
 from offload.errors import ConfigError, UsageError
 from offload.safetensors_file import write_safetensors
 
@@ -153,6 +154,41 @@ def test_a_peft_model_loads_its_base_from_the_base_models_checkpoint(tmp_path):
         with pytest.raises(UsageError, match=r"c_fc.weight missing from"):
             offload.load_weights(engine, partial)
     assert isinstance(model, peft.PeftModel)
+
+
+def test_a_lora_around_a_meta_built_base_starts_as_peft_starts_it(tmp_path):
+    """Note [LoRA on the meta device]: the base built under offload.init and
+    loaded from its checkpoint, the adapters initialised as PEFT does (B zero,
+    A as nn.Linear's weight), so the model computes what the base does."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    base = run.tiny_gpt2()
+    base.save_pretrained(str(tmp_path / "base"))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "stage3_param_persistence_threshold": 0}}
+
+    def lora(init_lora_weights=True):
+        with offload.init(config):
+            model = transformers.GPT2LMHeadModel(base.config)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                          init_lora_weights=init_lora_weights))
+
+    tokens = torch.randint(0, run.VOCAB, (2, run.SEQ), generator=torch.Generator().manual_seed(3))
+    model = lora()
+    with pytest.warns(UserWarning, match="keep the values the PEFT model gave them"):
+        engine = offload.initialize(model, config, init_fn=model._init_weights, weights=str(tmp_path / "base"))
+    with engine, torch.no_grad():
+        state = engine.state_dict()
+        engine.module.eval()  # no dropout
+        logits = engine(input_ids=tokens).logits
+    a = [v for k, v in state.items() if "lora_A" in k]
+    assert len(a) == 2 and all(0 < v.abs().max() <= 1 / math.sqrt(64) for v in a)  # kaiming_uniform(a=sqrt 5)
+    assert all(not v.any() for k, v in state.items() if "lora_B" in k)
+    base.eval()
+    with torch.no_grad():
+        assert torch.allclose(logits, base(input_ids=tokens).logits, rtol=0, atol=1e-5)
+    with pytest.raises(UsageError, match="init_lora_weights='eva' cannot start on a model built under offload.init"):
+        offload.initialize(lora("eva"), config, weights=str(tmp_path / "base"))
 
 
 def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):

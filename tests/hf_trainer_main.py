@@ -3,7 +3,7 @@ with plain ``transformers.Trainer`` or with ``OffloadTrainer``: the same seed,
 data, warm-up and decay, accumulation and clipping. tests/test_hf_trainer.py
 runs it in process, and under torchrun for two ranks:
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_main.py OUT STAGE
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_main.py OUT STAGE [lora]
 """
 
 from __future__ import annotations
@@ -128,11 +128,13 @@ def logged(trainer: transformers.Trainer, key: str) -> list[float]:
 
 
 if __name__ == "__main__":
-    out, stage = sys.argv[1], int(sys.argv[2])
+    out, stage, lora = sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["lora"]
     transformers.logging.set_verbosity_error()
     rank = int(os.environ["RANK"])
-    plain = train(os.path.join(out, "plain"), None)
-    engine = train(os.path.join(out, "offload"), stage, nvme=os.path.join(out, f"nvme{rank}"))
+    plain = train(os.path.join(out, "plain"), None, lora=lora)
+    engine = train(os.path.join(out, "offload"), stage, nvme=os.path.join(out, f"nvme{rank}"), lora=lora)
+    if lora:  # every rank gathers the adapter, rank 0 writes it
+        engine.save_model(os.path.join(out, "adapter"))
     engine.engine.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"plain": logged(plain, "loss"), "offload": logged(engine, "loss"),

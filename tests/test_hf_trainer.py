@@ -49,17 +49,21 @@ def test_offload_trainer_gives_the_losses_of_plain_trainer(tmp_path, stage):
     assert os.listdir(tmp_path / "nvme") == []
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_give_the_losses_of_plain_trainer_under_ddp(tmp_path, stage):
+@pytest.mark.parametrize("stage, lora", [(2, False), (3, False), (3, True)], ids=["stage2", "stage3", "stage3-lora"])
+def test_two_ranks_give_the_losses_of_plain_trainer_under_ddp(tmp_path, stage, lora):
+    if lora:
+        pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
     script = os.path.join(os.path.dirname(__file__), "hf_trainer_main.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
-                           str(tmp_path), str(stage)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           str(tmp_path), str(stage), *(["lora"] if lora else [])], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert _relative(result["plain"], result["offload"]) < TOLERANCE
         assert result["plain_lr"] == result["offload_lr"]
+    if lora:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
 
 
 def test_a_deepspeed_scheduler_section_sets_the_rate_as_under_deepspeed(tmp_path):

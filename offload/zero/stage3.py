@@ -17,9 +17,7 @@ A parameter is gathered while anyone holds a reference:
     as any of its modules runs, and a module called twice gathers twice.
   - backward: a gradient hook on the module's outputs (``any`` of them) takes
     a reference when their first gradient arrives, before the module's own
-    backward (and before any activation-checkpoint recomputation inside it),
-    unless nothing in the module trains and no input needs a gradient: then
-    its backward uses none of its weights;
+    backward (and before any activation-checkpoint recomputation inside it);
     one on its inputs (``all`` of them) drops it once the gradient has flowed
     through the module. So a tied weight is released between its uses, and
     in-place operations on outputs or inputs are fine (hooks, not views). The
@@ -211,7 +209,6 @@ class PartitionedWeights:
         # from reusing them: RSS grew every step. Not removed when the next
         # forward starts: one backward may run through several passes' graphs.
         self._pass_hooks = []
-        self._trains: dict[torch.nn.Module, bool] = {}  # a hooked module with a trainable parameter in it
         self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
         self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}  # parameters split across sub-groups
 
@@ -258,9 +255,8 @@ class PartitionedWeights:
                 self._gather(m, record=False)
         for module in self._model.modules():
             if any(p in self._managed for p in module.parameters(recurse=False)):
-                self._trains[module] = any(p.requires_grad for p in module.parameters())
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(self._post_forward, with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
@@ -374,12 +370,9 @@ class PartitionedWeights:
             self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                 inputs, lambda grads: self.release_after_backward(module), mode="all"))
 
-    def _post_forward(self, module, args, kwargs, output):
+    def _post_forward(self, module, args, output):
         outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
-        # Nothing trainable inside and no input needing a gradient: backward needs none of its
-        # weights (a frozen embedding whose output a hook made require grad, as PEFT does).
-        if outputs and (self._trains[module] or _grad_tensors((args, kwargs))):
-            # fires when the first output gradient arrives, before the module's backward
+        if outputs:  # fires when the first output gradient arrives, before the module's backward
             self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                 outputs, lambda grad: self.gather_for_backward(module), mode="any"))
         for m in self._direct(module):

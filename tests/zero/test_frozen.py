@@ -232,30 +232,3 @@ def test_checkpoints_hold_one_gathered_frozen_parameter_at_a_time(tmp_path, monk
     assert keys >= 5 and saved == ["gather", "write"] * keys
     # each entry read only within its own assignment (once whole, once its part if gathered)
     assert re.fullmatch(f"(AR+){{{keys}}}", "".join("A" if e == "assign" else "R" for e in loaded))
-
-
-def test_a_frozen_module_whose_output_is_made_to_need_a_gradient_is_not_gathered_for_backward(tmp_path):
-    """PEFT's enable_input_require_grads makes a frozen embedding's output need
-    a gradient; its backward still uses no weight, so the embedding is not
-    gathered again (read from its tier) for it."""
-    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
-
-    def gathers_per_step(hooked: bool) -> int:
-        model = _model()
-        model.embed.weight = torch.nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False)  # untied
-        if hooked:
-            model.embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
-        with train_engine(model, 1, 1, cfg) as engine:
-            gathered, gather = [], engine.weights._gather
-
-            def counted(m, record=True):
-                if m.state is ParamState.PARTITIONED and m.slot.name == "embed.weight":
-                    gathered.append(m)
-                gather(m, record)
-
-            engine.weights._gather = counted
-            engine.backward(engine(batch(1, 0, 0)))
-            engine.step()
-            return len(gathered)  # before close gathers it to give the model back
-
-    assert gathers_per_step(hooked=True) == gathers_per_step(hooked=False) == 1  # its forward's

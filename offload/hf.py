@@ -27,7 +27,9 @@ DeepSpeed:
     ``checkpoint-N``) beside the scheduler, RNG and trainer state, so
     ``resume_from_checkpoint`` restores every bit of the training state, and
     the consolidated weights with ``config.json``, which ``from_pretrained``
-    reads.
+    reads. For a PEFT model, as the Trainer has DeepSpeed do: the adapter
+    instead of the weights, and an engine checkpoint without the frozen base,
+    which a resumed run takes from the model it is given.
 
 Note ["auto" values]
 As Hugging Face does for a DeepSpeed config, ``"auto"`` takes its value from
@@ -365,8 +367,16 @@ class OffloadTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if is_peft_model(self.model):
             adapter = self.engine.state_dict(dtype=self.engine.dtype, exclude_frozen_parameters=True)
+            # PEFT freezes the adapters it is not training: their weights are left out above, so only
+            # the active ones are saved (PEFT would fill an adapter it finds no keys for with all of them).
+            active = list(self.model.active_adapters)
+            inactive = [a for a in self.model.peft_config if a not in active]
+            if inactive:
+                warnings.warn(f"OffloadTrainer saves the adapters it trains ({', '.join(active)}), not the "
+                              f"inactive {', '.join(inactive)}: save those from where they were loaded", UserWarning,
+                              stacklevel=2)
             if self.args.should_save:
-                self.model.save_pretrained(output_dir, state_dict=adapter)
+                self.model.save_pretrained(output_dir, state_dict=adapter, selected_adapters=active)
         else:
             self.engine.save_pretrained(output_dir, dtype=self.engine.dtype)
         if self.args.should_save:

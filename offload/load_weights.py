@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from offload.errors import UsageError
-from offload.peft_models import checkpoint_names, is_peft_model
+from offload.peft_models import adapter_own, checkpoint_names
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
 from offload.zero.materialize import default_init
@@ -103,7 +103,7 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
     try:
         entries = engine.state_entries()
         layout = engine.layout
-        names = checkpoint_names(engine.module)
+        names, own = checkpoint_names(engine.module), adapter_own(engine.module)
 
         def found_shaped(keys: list[str], shape: tuple[int, ...]) -> str | None:
             """The name under which the checkpoint holds the tensor of ``keys`` (None: it does not)."""
@@ -120,10 +120,7 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
             if found is not None:
                 source[slot] = found
             else:  # a PEFT adapter's own weights are not in its base's checkpoint
-                (adapter if is_peft_model(engine.module) else missing).append(" / ".join(keys))
-        if adapter:
-            warnings.warn(f"offload.load_weights: {_some(adapter)} not in {path}; they keep the values the PEFT "
-                          "model gave them (its adapter's own)", UserWarning, stacklevel=2)
+                (adapter if any(map(own, keys)) else missing).append(" / ".join(keys))
         others: dict[torch.Tensor, list[str]] = {}  # a tied tensor's keys together
         for key, value in entries.others:
             others.setdefault(value, []).append(key)
@@ -133,7 +130,10 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
             if found is not None:
                 found_others[keys[0]] = found
             elif isinstance(value, torch.nn.Parameter):  # frozen: a LoRA's base must not stay as initialised
-                missing.append(" / ".join(keys))
+                (adapter if any(map(own, keys)) else missing).append(" / ".join(keys))  # or an inactive adapter
+        if adapter:
+            warnings.warn(f"offload.load_weights: {_some(adapter)} not in {path}; they keep the values the PEFT "
+                          "model gave them (its adapters' own)", UserWarning, stacklevel=2)
         if missing:
             named = _some(missing)
             if not allow_missing:

@@ -6,6 +6,7 @@ step 10 continues bitwise; a DeepSpeed scheduler section sets the rate as
 under DeepSpeed; "auto" values come from ``TrainingArguments`` and
 disagreements are errors that name both sides."""
 
+import copy
 import json
 import math
 import os
@@ -193,6 +194,85 @@ def test_a_lora_around_a_meta_built_base_starts_as_peft_starts_it(tmp_path):
         assert torch.allclose(logits, base(input_ids=tokens).logits, rtol=0, atol=1e-5)
     with pytest.raises(UsageError, match="init_lora_weights='eva' cannot start on a model built under offload.init"):
         offload.initialize(lora("eva"), config, weights=str(tmp_path / "base"))
+
+
+def _stage3(threshold: int = 0) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "stage3_param_persistence_threshold": threshold}}
+
+
+def test_peft_embedding_adapters_modules_to_save_and_a_second_adapter(tmp_path):
+    """LoRA on the embedding too (its adapters are ParameterDicts, which the
+    embedding reads without calling them) and a trainable copy of ln_f
+    (modules_to_save): stage 3 trains them as AdamW does; built under
+    offload.init, the copy and the base load from the base's checkpoint and
+    the embedding's adapters start as PEFT starts them (A zero); an inactive
+    second adapter is the adapter's own, not a missing base weight; saving
+    keeps to the adapter being trained."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    base = run.tiny_gpt2()
+    with torch.no_grad():
+        base.transformer.ln_f.weight.normal_()  # unlike a fresh LayerNorm's: the copy must come from the file
+    base.save_pretrained(str(tmp_path / "base"))
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn", "wte"], modules_to_save=["ln_f"], fan_in_fan_out=True)
+    tokens = torch.randint(0, run.VOCAB, (3, 1, run.SEQ), generator=torch.Generator().manual_seed(3))
+
+    model = peft.get_peft_model(run.tiny_gpt2().eval(), lora)  # no dropout: the two runs draw no masks
+    torch.manual_seed(4)
+    for name, p in model.named_parameters():  # every adapter weight away from its start, so each one matters
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    reference = copy.deepcopy(model)
+    adamw = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3)
+    expected = []
+    for batch in tokens:
+        adamw.zero_grad()
+        loss = reference(input_ids=batch, labels=batch).loss
+        loss.backward()
+        adamw.step()
+        expected.append(loss.item())
+    with offload.initialize(model, _stage3()) as engine:
+        losses = []
+        for batch in tokens:
+            out = engine(input_ids=batch, labels=batch)
+            engine.backward(out)
+            engine.step()
+            losses.append(out.loss.item())
+        trained = engine.state_dict(exclude_frozen_parameters=True)
+    assert max(abs(a - b) / abs(a) for a, b in zip(expected, losses)) < TOLERANCE
+    wanted = {k: v for k, v in reference.state_dict().items() if k in trained}
+    assert wanted.keys() == trained.keys() and any("lora_embedding_A" in k for k in trained)
+    assert max((wanted[k] - trained[k]).abs().max().item() for k in trained) < TOLERANCE
+
+    with offload.init(_stage3()):
+        meta_base = transformers.GPT2LMHeadModel(base.config)
+    model = peft.get_peft_model(meta_base, lora)
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    with pytest.warns(UserWarning, match="lora_embedding_A.default.* keep the values the PEFT model gave them"):
+        engine = offload.initialize(model, _stage3(), init_fn=model._init_weights, weights=str(tmp_path / "base"))
+    with engine:
+        state = engine.state_dict()
+    assert not any(v.any() for k, v in state.items() if "lora_embedding_A" in k)
+    assert all(v.any() for k, v in state.items() if "lora_embedding_B" in k)
+    ln_f = base.state_dict()["transformer.ln_f.weight"]
+    assert torch.equal(state["base_model.model.transformer.ln_f.modules_to_save.default.weight"], ln_f)
+    assert torch.equal(state["base_model.model.transformer.ln_f.original_module.weight"], ln_f)
+
+
+def test_saving_a_peft_model_with_an_inactive_adapter_keeps_to_the_active_one(tmp_path):
+    """PEFT freezes the adapters it is not training: OffloadTrainer saves the
+    active one and says so, where PEFT would fill the other with its keys."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    model = run.lora_gpt2()
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    trainer = OffloadTrainer(model=model, args=_args(tmp_path), offload_config=run.offload_config(3),
+                             nvme_path=str(tmp_path))
+    with pytest.warns(UserWarning, match="saves the adapters it trains \\(default\\), not the inactive other"):
+        trainer.save_model(str(tmp_path / "saved"))
+    trainer.engine.close()
+    assert "adapter_model.safetensors" in os.listdir(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "other").exists()
 
 
 def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):

@@ -1,10 +1,12 @@
 """A checkpoint's consolidated weights, from its files alone: neither the
 model's code nor an engine nor the world size that saved it is needed.
 
-Each parameter is assembled from every rank's master-weight section (Note
-[flat layout], ``zero/consolidate.py``), one parameter in memory at a time
-plus one 16 MiB read buffer per rank file, with the keys and in the order
-``Engine.export`` writes.
+Each trained parameter is assembled from every rank's master-weight section
+(Note [flat layout], ``zero/consolidate.py``), one parameter in memory at a
+time plus one 16 MiB read buffer per rank file, with the keys and in the
+order ``Engine.export`` writes; buffers and frozen parameters are read whole
+from the checkpoint's extras. A checkpoint saved without its frozen
+parameters is refused: its export would not be the model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from offload.checkpoint.format import Manifest, RankFile, read_extras, read_manifest, resolve
+from offload.errors import CheckpointError
 from offload.pretrained import CONFIGS, DEFAULT_SHARD_BYTES, write_pretrained
 from offload.safetensors_file import write_safetensors
 from offload.zero.consolidate import assemble, export_plan, keep_local, named_weights, owned_ranges
@@ -22,6 +25,13 @@ from offload.zero.consolidate import assemble, export_plan, keep_local, named_we
 
 def consolidated(directory: str, manifest: Manifest, dtype: torch.dtype) -> tuple[list, Iterator[tuple[str, torch.Tensor]]]:
     """(plan, tensors) of the consolidated weights in ``dtype``."""
+    if manifest.frozen_left_out:
+        left = manifest.frozen_left_out
+        raise CheckpointError(f"{directory} was saved without its {len(left)} frozen parameters ({', '.join(left[:3])}"
+                              f"{', ...' if len(left) > 3 else ''}: save_checkpoint's exclude_frozen_parameters, as "
+                              "OffloadTrainer does for a PEFT model), so its export would not be the model; a PEFT "
+                              "checkpoint holds its adapter beside (adapter_model.safetensors), and engine."
+                              "save_pretrained writes the whole model from an engine that holds the base")
     layout = manifest.flat_layout()
     records = [p for b in manifest.layout for p in b.params]
     keys = dict(zip(layout.slots, (r.keys for r in records)))

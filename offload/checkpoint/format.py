@@ -86,6 +86,9 @@ class Manifest:
     extra_crc32: int
     layout: list[BucketRecord]
     rng: list[dict]  # per rank: RNG states (save_load.py)
+    # Frozen parameters left out (save_checkpoint's exclude_frozen_parameters);
+    # absent from manifests written before it existed.
+    frozen_left_out: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,10 +137,11 @@ def _typed(hint, value: Any, where: str, name: str):
             raise CheckpointError(f"{where}: {name} must be an object; the manifest is damaged")
         hints = typing.get_type_hints(hint)
         fields = {f.name for f in dataclasses.fields(hint)}
-        if set(value) != fields:
+        optional = {f.name for f in dataclasses.fields(hint) if f.default_factory is not dataclasses.MISSING}
+        if not fields - optional <= set(value) <= fields:
             raise CheckpointError(f"{where}: {name} has fields {sorted(value)}, expected {sorted(fields)}; "
                                   f"the manifest is damaged or from another version")
-        return hint(**{k: _typed(hints[k], value[k], where, f"{name}.{k}") for k in fields})
+        return hint(**{k: _typed(hints[k], value[k], where, f"{name}.{k}") for k in fields & set(value)})
     if origin is list:
         if not isinstance(value, list):
             raise CheckpointError(f"{where}: {name} must be a list; the manifest is damaged")

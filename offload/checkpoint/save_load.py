@@ -131,6 +131,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
         client_state=client, files={rank_file(r): c for r, c in enumerate(crcs)},
         extra_keys=extra_keys, extra_crc32=extra_crc32, layout=layout_records(engine), rng=rngs,
+        frozen_left_out=[k for k, v in engine.other_entries() if isinstance(v, torch.nn.Parameter)]
+        if exclude_frozen_parameters else [],
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final

@@ -12,7 +12,9 @@ so they are valid again once the parameter is gathered for backward.
 Note [gather references]
 A parameter is gathered while anyone holds a reference:
   - forward: a module's pre-hook takes one for each parameter registered
-    directly on it, and the post-hook drops it. So a parent's own parameters
+    directly on it, or in a ParameterList or ParameterDict of its own (never
+    called: the module reads it, as a LoRA embedding does its adapters), and
+    the post-hook drops it. So a parent's own parameters
     stay gathered for the whole parent forward, a tied parameter for as long
     as any of its modules runs, and a module called twice gathers twice.
   - backward: a gradient hook on the module's outputs (``any`` of them) takes
@@ -209,6 +211,7 @@ class PartitionedWeights:
         # from reusing them: RSS grew every step. Not removed when the next
         # forward starts: one backward may run through several passes' graphs.
         self._pass_hooks = []
+        self._direct_of: dict[torch.nn.Module, list[_Managed]] = {}  # what a module's hooks gather
         self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
         self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}  # parameters split across sub-groups
 
@@ -253,8 +256,16 @@ class PartitionedWeights:
         for m in self._managed.values():
             if m.persistent:
                 self._gather(m, record=False)
+        containers = (torch.nn.ParameterList, torch.nn.ParameterDict)  # read by their parent, never called
         for module in self._model.modules():
-            if any(p in self._managed for p in module.parameters(recurse=False)):
+            if isinstance(module, containers):
+                continue
+            held = [*module.parameters(recurse=False),
+                    *(p for child in module.children() if isinstance(child, containers)
+                      for p in child.parameters(recurse=False))]
+            direct = [self._managed[p] for p in dict.fromkeys(held) if p in self._managed]
+            if direct:
+                self._direct_of[module] = direct
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
@@ -359,7 +370,7 @@ class PartitionedWeights:
             self._free(m)
 
     def _direct(self, module: torch.nn.Module) -> list[_Managed]:
-        return [self._managed[p] for p in module.parameters(recurse=False) if p in self._managed]
+        return self._direct_of.get(module, [])
 
     def _pre_forward(self, module, args, kwargs):
         for m in self._direct(module):

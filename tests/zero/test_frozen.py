@@ -3,8 +3,10 @@ engine trains the rest as AdamW does at every stage and world sizes 1 and 2;
 at stage 3 the frozen ones are partitioned and paged like the trained ones,
 in every weight tier, and still reach state_dict, checkpoints and close."""
 
+import json
 import os
 import re
+import zlib
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch
 import offload
 from offload import _native
 from offload.checkpoint import save_load
-from offload.errors import UsageError
+from offload.checkpoint.export import export
+from offload.checkpoint.format import MANIFEST, _canonical
+from offload.errors import CheckpointError, UsageError
 from offload.safetensors_file import write_safetensors
 from offload.zero.stage3 import ParamState
 
@@ -159,6 +163,9 @@ def test_a_checkpoint_may_leave_the_frozen_parameters_out(tmp_path):
         state = engine.state_dict()
     assert all(torch.equal(state[k], v) for k, v in own.items())
     assert all(torch.equal(state[k], v) for k, v in trained.items())
+    # exporting it would write a model without its frozen weights
+    with pytest.raises(CheckpointError, match="saved without its 5 frozen parameters"):
+        export(str(tmp_path / "saves"), str(tmp_path / "out.safetensors"), torch.float32)
 
 
 def test_a_frozen_parameter_missing_from_pretrained_weights_is_an_error(tmp_path):
@@ -232,3 +239,30 @@ def test_checkpoints_hold_one_gathered_frozen_parameter_at_a_time(tmp_path, monk
     assert keys >= 5 and saved == ["gather", "write"] * keys
     # each entry read only within its own assignment (once whole, once its part if gathered)
     assert re.fullmatch(f"(AR+){{{keys}}}", "".join("A" if e == "assign" else "R" for e in loaded))
+
+
+def test_a_manifest_written_before_frozen_parameters_could_be_left_out_still_loads(tmp_path):
+    """Such a manifest lacks ``frozen_left_out``: it loads, and exports, as
+    one that left nothing out; an unknown field is still refused."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    with train_engine(_model(), 1, 1, cfg) as engine:
+        directory = engine.save_checkpoint(str(tmp_path / "saves"))
+        expected = engine.state_dict()
+    path = os.path.join(directory, MANIFEST)
+
+    def rewrite(change) -> None:
+        with open(path) as f:
+            data = json.load(f)
+        data.pop("crc32")
+        change(data)
+        with open(path, "w") as f:
+            json.dump({**data, "crc32": zlib.crc32(_canonical(data))}, f)
+
+    rewrite(lambda data: data.pop("frozen_left_out"))
+    with offload.initialize(_model(seed=5), cfg) as engine:
+        engine.load_checkpoint(str(tmp_path / "saves"))
+        assert all(torch.equal(v, expected[k]) for k, v in engine.state_dict().items())
+    export(str(tmp_path / "saves"), str(tmp_path / "out.safetensors"), torch.float32)
+    rewrite(lambda data: data.update(unknown=1))
+    with pytest.raises(CheckpointError, match="has fields .* the manifest is damaged or from another version"):
+        export(str(tmp_path / "saves"), str(tmp_path / "again.safetensors"), torch.float32)

@@ -1,7 +1,10 @@
 """Stage 3 edge cases found in review: meta-built models train; checkpointing
 that stops its recomputation inside a module; read-ahead within the pool;
 0-dim buffers in export; memory reports during a delayed update; empty
-parameters; kwargs inputs; modules a meta build cannot initialise."""
+parameters; kwargs inputs; modules a meta build cannot initialise;
+parameters read from a ParameterList or ParameterDict."""
+
+import copy
 
 import pytest
 import torch
@@ -175,3 +178,40 @@ def test_in_place_operations_on_module_outputs(tmp_path):
     with _engine(InPlace(), cfg, data, lambda m, x: m(x)) as engine:
         assert max_difference(engine.state_dict(), ref) < 1e-5
         assert engine.weights.live_elements == 0
+
+
+class Mixture(nn.Module):
+    """Parameters in a ParameterList and a ParameterDict that the module reads
+    itself (such containers have no forward), one of them frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(64)) for _ in range(3)])
+        self.shifts = nn.ParameterDict({"a": nn.Parameter(torch.randn(64)),
+                                        "frozen": nn.Parameter(torch.randn(64), requires_grad=False)})
+
+    def forward(self, x):
+        for scale in self.scales:
+            x = torch.tanh(x * scale + self.shifts["a"] + self.shifts["frozen"])
+        return x.pow(2).mean()
+
+
+def test_parameters_a_module_reads_from_a_parameter_list_or_dict(tmp_path):
+    """Gathered with the module that reads them (they used to stay without
+    storage: the containers are never called), at threshold 0 so none stays
+    gathered, equal to AdamW on the trainable ones."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    torch.manual_seed(0)
+    model = Mixture()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
+    for x in data:
+        opt.zero_grad()
+        ref(x).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+    with _engine(model, cfg, data, lambda m, x: m(x)) as engine:
+        state = engine.state_dict()
+    assert max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-5

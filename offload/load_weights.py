@@ -142,8 +142,7 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
                                  "to keep the model's own initial values for them)")
             warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
                           UserWarning, stacklevel=2)
-        for key, found in found_others.items():
-            engine.assign_others({key: functools.partial(checkpoint.read, found)})
+        engine.assign_others({key: functools.partial(checkpoint.read, found) for key, found in found_others.items()})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)
         kept = _own_values(engine, [p for p in pieces if p.slot not in source])

@@ -252,11 +252,11 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
 
 
 def _load_extras(engine: Checkpointable, path: str, keys: list[str]) -> None:
-    """Buffers and frozen parameters, one tensor in memory at a time."""
+    """Buffers and frozen parameters, one tensor in memory at a time (each is
+    read while it is assigned)."""
     reader = SafetensorsReader(path)
     try:
-        for key in keys:
-            engine.assign_others({key: functools.partial(reader.read, key)})
+        engine.assign_others({key: functools.partial(reader.read, key) for key in keys})
     finally:
         reader.close()
 

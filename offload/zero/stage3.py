@@ -288,7 +288,7 @@ class PartitionedWeights:
             return
         landed = None if on_host else self.transfer.to_host(part)
         host = part if landed is None else landed.wait()
-        if m.key not in self.store.keys():
+        if m.key not in self.store:
             self.store.put(m.key, host, m.tier)
         else:
             self.store.overwrite(m.key, host)  # the old part is not read back first

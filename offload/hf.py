@@ -127,11 +127,11 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
                               f"one of {', '.join(EXACT_ADAMW)}, or give offload_config an 'optimizer' section")
         data["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
     from_args, defaults = _arguments(args), _model_sized(model)
-    resolvable = {*from_args, *defaults}
+    sized = bool(defaults)
     if "scheduler" in data:
         from_args.update(_scheduler_arguments(args, steps))
         defaults["scheduler.params.warmup_min_lr"] = 0  # Hugging Face's: no argument sets it
-        resolvable |= {*from_args, *defaults, *STEP_COUNTS}
+    resolvable = {*from_args, *defaults, *(STEP_COUNTS if "scheduler" in data else ())}
     mismatches = []
     for key, value in _leaves(data):
         if steps is None and key in STEP_COUNTS:
@@ -140,8 +140,8 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
             if key not in from_args and key not in defaults:
                 raise ConfigError(f"offload_config key {key} is 'auto', which OffloadTrainer resolves only for "
                                   f"{', '.join(sorted(resolvable))}" +
-                                  ("" if _model_sized(model) else " (the bucket sizes need the model's "
-                                   "config.hidden_size)") + "; give it a value")
+                                  ("" if sized else " (the bucket sizes need the model's config.hidden_size)") +
+                                  "; give it a value")
             _set(data, key, from_args[key] if key in from_args else defaults[key])
         elif key in from_args and not _agrees(value, from_args[key]):
             mismatches.append(f"{key} is {value!r} but TrainingArguments give {from_args[key]!r}")

@@ -33,12 +33,8 @@ from offload.errors import UsageError
 from offload.zero.materialize import default_init
 
 
-def _peft():
-    return sys.modules.get("peft")
-
-
 def is_peft_model(model: torch.nn.Module) -> bool:
-    peft = _peft()
+    peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
 
 

@@ -30,6 +30,20 @@ A parameter is gathered while anyone holds a reference:
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay
 gathered throughout.
 
+Note [parameters read by another module]
+A module may read a parameter it does not hold: ``self.decoder.weight.t()`` in
+a head, ``self.embed_positions.weight`` in an encoder. Without its owner
+running, that parameter has no storage, and reading it fails or reads freed
+memory. So each module holding parameters gets a ``_parameters`` dict that
+reports reads by name (``nn.Module.__getattr__`` goes through it), and every
+module pushes itself on a stack of forwards under way. A partitioned
+parameter read by name during a forward is gathered then and becomes one of
+the innermost running module's own, from then on gathered and released with
+it, in forward and backward, as DeepSpeed's external parameters are. The
+order recorded in that pass no longer holds, so the next pass records it
+again. Read outside any forward (``model.wte.weight.shape``) a parameter is
+left as it is: its shape is right, its values are not there.
+
 Note [stage 3 limits]
 What each setting bounds here:
   - ``offload_param.max_in_cpu``: as in DeepSpeed, with weights on nvme, the
@@ -98,6 +112,26 @@ class _Managed:
     @property
     def refs(self) -> int:
         return self.forward_refs + self.backward_refs
+
+
+class _ReadReporting(dict):
+    """A module's ``_parameters`` that calls ``on_read(param)`` for each one read
+    by name (Note [parameters read by another module]). Pickled and copied as a
+    plain dict, so a copy of the model does not carry the engine along."""
+
+    __slots__ = ("on_read",)
+
+    def __init__(self, params: dict, on_read: Callable[[torch.nn.Parameter | None], None]) -> None:
+        super().__init__(params)
+        self.on_read = on_read
+
+    def __getitem__(self, name: str):
+        param = dict.__getitem__(self, name)
+        self.on_read(param)
+        return param
+
+    def __reduce_ex__(self, protocol):
+        return dict, (dict(self),)
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
@@ -212,6 +246,9 @@ class PartitionedWeights:
         # forward starts: one backward may run through several passes' graphs.
         self._pass_hooks = []
         self._direct_of: dict[torch.nn.Module, list[_Managed]] = {}  # what a module's hooks gather
+        self._running: list[torch.nn.Module] = []  # forwards under way, innermost last
+        self._adopted = False  # a module took another's parameter this pass: record the order again
+        self._reporting: list[torch.nn.Module] = []  # modules whose _parameters report reads
         self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
         self._incoming: dict[_Managed, tuple[torch.Tensor, int]] = {}  # parameters split across sub-groups
 
@@ -266,8 +303,11 @@ class PartitionedWeights:
             direct = [self._managed[p] for p in dict.fromkeys(held) if p in self._managed]
             if direct:
                 self._direct_of[module] = direct
-                self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-                self._hooks.append(module.register_forward_hook(self._post_forward))
+            if any(p in self._managed for p in module._parameters.values()):
+                module.__dict__["_parameters"] = _ReadReporting(module._parameters, self._read_by_name)
+                self._reporting.append(module)
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
@@ -373,15 +413,37 @@ class PartitionedWeights:
         return self._direct_of.get(module, [])
 
     def _pre_forward(self, module, args, kwargs):
-        for m in self._direct(module):
+        self._running.append(module)
+        direct = self._direct(module)
+        for m in direct:
             m.forward_refs += 1
             self._gather(m)
-        inputs = _grad_tensors((args, kwargs)) if torch.is_grad_enabled() else []
+        inputs = _grad_tensors((args, kwargs)) if direct and torch.is_grad_enabled() else []
         if inputs:  # fires once the gradient has flowed through the module to all its inputs
             self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                 inputs, lambda grads: self.release_after_backward(module), mode="all"))
 
+    def _read_by_name(self, param: torch.nn.Parameter | None) -> None:
+        """Note [parameters read by another module]."""
+        if not self._running:
+            return
+        m = self._managed.get(param)
+        if m is None or m.state is ParamState.GATHERED:
+            return
+        self._direct_of.setdefault(self._running[-1], []).append(m)
+        if not self._adopted:
+            self._adopted = True
+            self._on_trace = False
+            self._drop_read_ahead()
+        m.forward_refs += 1
+        self._gather(m)
+
     def _post_forward(self, module, args, output):
+        if module in self._running:  # a nested forward that raised left its entry above this one
+            while self._running.pop() is not module:
+                pass
+        if not self._direct(module):
+            return
         outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
         if outputs:  # fires when the first output gradient arrives, before the module's backward
             self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
@@ -411,6 +473,7 @@ class PartitionedWeights:
         for handle in self._pass_hooks:
             handle.remove()
         self._pass_hooks.clear()
+        self._running.clear()  # recomputation stopped inside a module (Note [gather references])
         self._drop_references()
 
     def _drop_references(self) -> None:
@@ -428,7 +491,11 @@ class PartitionedWeights:
         """A forward (and its backward) starts: compare it with the recorded order."""
         self._drop_references()  # a forward without backward (evaluation) leaves no gathered weights behind
         self._drop_read_ahead()
-        if self._record and (not self._on_trace or self._training not in self._trace):
+        self._running.clear()
+        if self._adopted:  # modules gather more than they did: neither mode's order holds
+            self._adopted = False
+            self._trace.clear()
+        elif self._record and (not self._on_trace or self._training not in self._trace):
             self._trace[self._training] = self._record
         self._training = torch.is_grad_enabled()
         self._record, self._cursor, self._on_trace = [], 0, True
@@ -616,6 +683,9 @@ class PartitionedWeights:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for module in self._reporting:
+            module.__dict__["_parameters"] = dict(module._parameters)
+        self._reporting = []
         self._land_uploads()
         if self.store is not None:
             self.store.close()

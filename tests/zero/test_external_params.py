@@ -1,0 +1,147 @@
+"""Stage 3 gathers a parameter that a module reads from another module, as
+DeepSpeed does for its external parameters (Note [parameters read by another
+module]): training equals AdamW in every weight tier at world sizes 1 and 2,
+and read-ahead resumes once the new order is recorded."""
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import offload
+from offload import _native
+from offload.zero.stage3 import ParamState
+
+from .harness import (DIM, SEQ, VOCAB, batch, config, finish_rank, init_gloo, max_difference, spawn_ranks,
+                      train_reference)
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+STEPS, ACCUMULATION = 5, 2
+TOLERANCE = 1e-5  # as tests/zero/test_stage3.py
+SPLIT = 8  # rows of the head's matrix that come from the transposed weight
+
+
+class JoinedHead(nn.Module):
+    """Multiplies by its two children's weights joined, one transposed, as
+    MobileBERT's LM head does; neither child ever runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposed = nn.Linear(SPLIT, VOCAB, bias=False)
+        self.rest = nn.Linear(VOCAB, DIM - SPLIT, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.cat([self.transposed.weight.t(), self.rest.weight], dim=0)
+
+
+class ReadsOthers(nn.Module):
+    """The root reads its child's position table, as Voxtral's encoder does;
+    blocks between that and the head keep other parameters coming and going."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.positions = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
+        self.head = JoinedHead()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1]) + self.positions.weight[: tokens.shape[1] - 1]
+        logits = self.head(self.blocks(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _train_and_check(tier: str, nvme: str, world: int = 1, rank: int = 0) -> dict:
+    cfg = config(3, "cpu", ACCUMULATION, nvme, param_device=tier)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter partitioned
+    torch.manual_seed(0)
+    model = ReadsOthers()
+    ref = train_reference(model, STEPS, world, ACCUMULATION, cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = offload.initialize(model, cfg)
+        for step in range(STEPS):
+            for micro in range(ACCUMULATION):
+                engine.backward(engine(batch(step, micro, rank)))
+                engine.step()
+    held = engine.weights.states()
+    with torch.no_grad():
+        evaluated = engine(batch(STEPS, 0, 0)).item()
+        expected = ref(batch(STEPS, 0, 0)).item()
+    result = {
+        "difference": max_difference(engine.state_dict(), ref),
+        "evaluated": abs(evaluated - expected),
+        "order_warnings": [str(w.message) for w in caught if "order in which modules" in str(w.message)],
+        "partitioned": all(state is ParamState.PARTITIONED for state in held.values()),
+        "uploads_ahead": engine.weights.uploads_ahead,
+        "read_ahead": engine.weights.peak_ahead_elements,
+    }
+    engine.close()
+    return result
+
+
+def _assert_good(result: dict, tier: str, where: str) -> None:
+    assert result["difference"] < TOLERANCE and result["evaluated"] < TOLERANCE, where
+    assert result["order_warnings"] == [], where  # the order changed by design, not by the data
+    assert result["partitioned"], where  # every gathered parameter was given back after the step
+    if tier == "cpu":  # read-ahead runs again on the order recorded after the change
+        assert result["uploads_ahead"] > 0, where
+    if tier == "nvme":
+        assert result["read_ahead"] > 0, where
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
+def test_parameters_read_by_another_module_train_as_adamw(tmp_path, tier):
+    _assert_good(_train_and_check(tier, str(tmp_path)), tier, tier)
+
+
+def _world2_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    results = {}
+    for tier in ("cpu", "nvme"):
+        nvme = os.path.join(out_dir, f"nvme{rank}-{tier}")
+        os.makedirs(nvme)
+        results[tier] = _train_and_check(tier, nvme, world=2, rank=rank)
+    finish_rank(out_dir, rank, results)
+
+
+def test_world_size_2(tmp_path):
+    for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
+        for tier, result in results.items():
+            _assert_good(result, tier, f"rank {rank} {tier}")
+
+
+def test_a_hugging_face_head_that_reads_its_childrens_weights(tmp_path):
+    """MobileBERT's LM head multiplies by ``decoder.weight.t()`` joined with
+    ``dense.weight``: under stage 3 with weights on NVMe it trains as AdamW."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.MobileBertConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
+        num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_feedforward_networks=1,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.MobileBertForMaskedLM(hf_config)
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ref = train_reference(_MaskedLoss(model), STEPS, 1, 1, cfg).model
+    with offload.initialize(model, cfg) as engine:
+        for step in range(STEPS):
+            tokens = batch(step, 0, 0)
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+
+
+class _MaskedLoss(nn.Module):
+    """The reference's view of a masked LM: tokens in, loss out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, labels=tokens).loss

@@ -29,8 +29,7 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     ``weights``: a safetensors file or model directory loaded into the engine
     (``load_weights``, with ``allow_missing``); a meta-built module it fully
     covers needs no initialiser of its own."""
-    config = Config.load(config)
-    config = config if nvme_path is None else config.with_nvme_path(nvme_path)
+    config = Config.load(config, nvme_path)
     if weights is None:
         return Engine(model, config, init_fn)
     weights = os.fspath(weights)
@@ -44,7 +43,7 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
 
 
 @contextlib.contextmanager
-def init(config: str | os.PathLike | dict | Config | None = None):
+def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: str | os.PathLike | None = None):
     """Build a model too big to materialise::
 
         with offload.init(config):
@@ -54,10 +53,11 @@ def init(config: str | os.PathLike | dict | Config | None = None):
     Inside, modules are created on the meta device (no memory). With stage 3,
     ``initialize`` then materialises one module at a time and turns each
     parameter into its partition in its tier as soon as it is initialised;
-    with stages 1 and 2 it materialises the whole model first.
+    with stages 1 and 2 it materialises the whole model first. ``nvme_path``:
+    as ``initialize``'s.
     """
     if config is not None:
-        Config.load(config)  # fail here, before building anything
+        Config.load(config, nvme_path)  # fail here, before building anything
     with meta_device():
         yield
 

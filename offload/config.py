@@ -39,6 +39,17 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ConfigError(f"config {os.fspath(path)!r} is not valid JSON: {exc}") from None
 
 
+def _with_nvme_path(data: Any, path: str) -> Any:
+    """A config's JSON with ``path`` as the ``nvme_path`` of each offload section
+    it has (a section not given is off, so it needs none)."""
+    zero = data.get("zero_optimization") if isinstance(data, dict) else None
+    if not isinstance(zero, dict):
+        return data
+    sections = {key: {**zero[key], "nvme_path": path} for key in ("offload_optimizer", "offload_param")
+                if isinstance(zero.get(key), dict)}
+    return {**data, "zero_optimization": {**zero, **sections}}
+
+
 def _f(default, doc: str, **bounds):
     """A config field: default, one line of documentation, bounds (ge, gt, le, lt, choices)."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
@@ -245,15 +256,19 @@ class Config:
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 
     @staticmethod
-    def load(source: "str | os.PathLike | dict | Config") -> "Config":
+    def load(source: "str | os.PathLike | dict | Config", nvme_path: "str | os.PathLike | None" = None) -> "Config":
+        """``nvme_path``: replaces every ``nvme_path`` of the config before it is
+        checked, so a config naming no path, or another machine's, is valid with it."""
         if isinstance(source, Config):
-            return source
+            return source if nvme_path is None else source.with_nvme_path(nvme_path)
         if isinstance(source, (str, os.PathLike)):
             data = read_json(source)
         elif isinstance(source, dict):
             data = source
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
+        if nvme_path is not None:
+            data = _with_nvme_path(data, os.fspath(nvme_path))
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:
             raise ConfigError(f"{', '.join(autos)} {'is' if len(autos) == 1 else 'are'} \"auto\", which only the Hugging "

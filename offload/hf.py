@@ -296,11 +296,11 @@ class OffloadTrainer(transformers.Trainer):
         if resolved["optimizer"]["params"].get("weight_decay", 0):
             warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
                           "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
-        config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"})  # the Trainer schedules
+        config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"}, nvme_path)  # the Trainer schedules
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
         init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
-        self.engine = offload.initialize(model, config, init_fn=init_fn, nvme_path=nvme_path)
+        self.engine = offload.initialize(model, config, init_fn=init_fn)
         self._engine_module = _EngineModule(self.engine)
         optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
         super().__init__(model, args, optimizers=(optimizer, None), **kwargs)

@@ -178,3 +178,16 @@ def test_nvme_path_can_be_replaced_for_this_machine():
     zero = moved.zero_optimization
     assert zero.offload_optimizer.nvme_path == zero.offload_param.nvme_path == "/scratch"
     assert config.zero_optimization.offload_optimizer.nvme_path == "/local_nvme"  # the original is unchanged
+
+
+def test_an_nvme_path_given_at_load_completes_a_config_naming_none():
+    """``nvme_path`` (``initialize``'s, ``offload.init``'s) is applied before the
+    config is checked: a config with nvme sections and no path is valid with it."""
+    data = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                  "offload_param": {"device": "nvme"}}}
+    with pytest.raises(ConfigError, match="nvme_path is not set"):
+        Config.load(data)
+    zero = Config.load(data, nvme_path="/scratch").zero_optimization
+    assert zero.offload_optimizer.nvme_path == zero.offload_param.nvme_path == "/scratch"
+    assert "nvme_path" not in data["zero_optimization"]["offload_param"]  # the caller's dict is unchanged
+    assert Config.load({"zero_optimization": {"stage": 2}}, nvme_path="/scratch").zero_optimization.offload_param.device == "none"

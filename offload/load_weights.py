@@ -2,7 +2,8 @@
 
 ``load_weights(engine, path)`` reads a safetensors checkpoint (one file, or a
 directory holding ``model.safetensors`` or ``model.safetensors.index.json``
-and its shards, Hugging Face's layout) under the model's state-dict keys. Each
+and its shards, Hugging Face's layout), or a state dict already in memory,
+under the model's state-dict keys. Each
 rank reads only the slices of each trainable tensor it owns and writes them
 into its master weights, sub-group by sub-group, through the same path a
 checkpoint load takes (``Engine.load_shard_state``), which then publishes the
@@ -30,7 +31,7 @@ import functools
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -45,6 +46,7 @@ class SafetensorsCheckpoint:
     """The tensors of one safetensors file or of a sharded directory, by key."""
 
     def __init__(self, path: str) -> None:
+        self.name = path  # for messages
         if os.path.isdir(path):
             index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
             if os.path.exists(index):
@@ -89,17 +91,22 @@ class SafetensorsCheckpoint:
             reader.close()
 
 
-def load_weights(engine, path: str, allow_missing: bool = False) -> None:
-    """Load the checkpoint at ``path`` into ``engine``'s weights, before its first
-    step (the optimizer's moments start from zero). A collective in the sense
-    that every rank must call it; each reads only what it owns.
+def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor], allow_missing: bool = False) -> None:
+    """Load the checkpoint at path ``source``, or the state dict ``source``, into
+    ``engine``'s weights, before its first step (the optimizer's moments start
+    from zero). A collective in the sense that every rank must call it; each
+    reads only what it owns.
     ``allow_missing``: parameters the checkpoint lacks (a new head, say)
     keep the values the model's own initialisation gave them, with a
     warning naming them, instead of being an error."""
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
                          f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
-    checkpoint = SafetensorsCheckpoint(path)
+    if isinstance(source, Mapping):
+        checkpoint = TensorsCheckpoint(source)
+    else:
+        checkpoint = SafetensorsCheckpoint(os.fspath(source))
+    path = checkpoint.name
     try:
         entries = engine.state_entries()
         layout = engine.layout
@@ -162,6 +169,31 @@ def load_weights(engine, path: str, allow_missing: bool = False) -> None:
         engine.load_shard_state(fill, 0)
     finally:
         checkpoint.close()
+
+
+class TensorsCheckpoint:
+    """The tensors of a state dict, by key, read as ``SafetensorsCheckpoint``'s."""
+
+    name = "the state dict"
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        wrong = [key for key, value in tensors.items() if not isinstance(value, torch.Tensor)]
+        if wrong:
+            raise UsageError(f"load_weights: the state dict's {_some(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+                             "not a tensor; pass a mapping of names to tensors, or a safetensors path")
+        self.tensors = tensors
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self.tensors[key].detach().reshape(-1)[lo:hi]
+
+    def close(self) -> None:
+        """Nothing to release: the tensors are the caller's."""
 
 
 def _some(names: list[str]) -> str:

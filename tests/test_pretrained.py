@@ -104,14 +104,15 @@ def _fresh(stage, device, param_device, nvme, seed=1, rank=0):
         return offload.initialize(make_model(seed=seed), cfg)
 
 
+@pytest.mark.parametrize("source", ["directory", "state dict"])
 @pytest.mark.parametrize("stage,device,param_device", SETUPS)
-def test_load_weights_puts_a_checkpoint_into_every_stage_and_tier(tmp_path, stage, device, param_device):
+def test_load_weights_puts_a_checkpoint_into_every_stage_and_tier(tmp_path, stage, device, param_device, source):
     directory, expected = _trained_directory(tmp_path)
     os.makedirs(tmp_path / "nvme")
     with _fresh(stage, device, param_device, str(tmp_path / "nvme")) as engine:
         before = engine.state_dict()
         assert not all(torch.equal(before[k], expected[k]) for k in expected)  # another init: the load is real
-        offload.load_weights(engine, directory)
+        offload.load_weights(engine, directory if source == "directory" else {k: v.clone() for k, v in expected.items()})
         loaded = engine.state_dict()
         assert all(torch.equal(loaded[k], expected[k]) for k in expected)
         engine.backward(engine(batch(0, 0, 0)))  # and it trains from there

@@ -151,6 +151,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
         self._closed = False
+        self._guards = [m.register_load_state_dict_pre_hook(_refuse_load_state_dict) for m in model.modules()]
 
     def _give_master(self, bucket: Bucket) -> None:
         """The initial master weights of this rank's part of ``bucket``, unless
@@ -464,6 +465,8 @@ class Engine:
         finally:
             self.update.close()
             self.reducer.remove()
+            for guard in self._guards:
+                guard.remove()
             try:
                 self.weights.close()
             finally:
@@ -518,6 +521,16 @@ def _loss_of(output) -> torch.Tensor:
                          f"model returns when given labels), a dict with 'loss', or a tuple starting with it; "
                          f"got {type(output).__name__}")
     return loss
+
+
+def _refuse_load_state_dict(module, state_dict, prefix, *rest) -> None:
+    """A load into the model itself would change only the weights it computes
+    with: the optimizer's master weights, the truth, would not move, and the
+    next step would write them back over what was loaded."""
+    raise UsageError("load_state_dict on a model an offload engine holds would be undone by the next step (the "
+                     "optimizer's master weights stay as they were); before the first step use "
+                     "offload.load_weights(engine, state_dict), to resume engine.load_checkpoint, or call "
+                     "engine.close() first")
 
 
 _warned_cpu = False

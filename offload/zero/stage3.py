@@ -44,6 +44,17 @@ order recorded in that pass no longer holds, so the next pass records it
 again. Read outside any forward (``model.wte.weight.shape``) a parameter is
 left as it is: its shape is right, its values are not there.
 
+Note [the model's own copies]
+Outside forward, what copies a parameter's values goes through the model:
+  - ``model.state_dict()`` holds each partitioned parameter whole, gathered
+    in turn (a collective, as FSDP's full state dict: every rank calls it),
+    in the compute dtype the model runs in; ``Engine.state_dict`` gives the
+    fp32 master weights. With ``keep_vars`` it holds the parameters themselves.
+  - ``copy.deepcopy`` and pickling (``torch.save(model)``) of a partitioned
+    parameter are refused by name: this rank holds only its part, and a copy
+    of the engine's hooks would be a second engine. Peers refuse too (TRL's
+    ``create_reference_model`` under DeepSpeed ZeRO-3).
+
 Note [stage 3 limits]
 What each setting bounds here:
   - ``offload_param.max_in_cpu``: as in DeepSpeed, with weights on nvme, the
@@ -76,6 +87,7 @@ the new record. Results never depend on prefetching.
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +96,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from offload.config import Config
-from offload.errors import ConfigError
+from offload.errors import ConfigError, UsageError
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
@@ -148,6 +160,10 @@ def _say_where_weights_live() -> None:
         warnings.warn("offload stage 3: offload_param.device is none, so each rank's partition of the weights stays "
                       "on the accelerator; set zero_optimization.offload_param.device to cpu or nvme to move it off",
                       UserWarning, stacklevel=5)
+
+
+_COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and load model.state_dict() or "
+                 "engine.state_dict() into it (every rank calls either)")
 
 
 def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
@@ -306,11 +322,38 @@ class PartitionedWeights:
             if any(p in self._managed for p in module._parameters.values()):
                 module.__dict__["_parameters"] = _ReadReporting(module._parameters, self._read_by_name)
                 self._reporting.append(module)
+                # A partial: torch marks the hook it is given, which a bound method cannot take.
+                self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._whole_in_state_dict)))
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._post_forward))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
+            # Looked up on the instance first (copy, pickle): Note [the model's own copies].
+            m.slot.param.__deepcopy__ = functools.partial(self._copy, m, "copy.deepcopy", torch.nn.Parameter.__deepcopy__)
+            m.slot.param.__reduce_ex__ = functools.partial(self._copy, m, "pickling (torch.save of the model)",
+                                                           torch.nn.Parameter.__reduce_ex__)
+
+    # -- the model's own copies (Note [the model's own copies]) ----------------------------
+
+    def _whole_in_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        for name, param in module._parameters.items():
+            key = prefix + name
+            m = self._managed.get(param)
+            if m is not None and key in state_dict and state_dict[key] is not param and \
+                    m.state is ParamState.PARTITIONED:
+                state_dict[key] = self.whole(param)
+
+    def _copy(self, m: _Managed, what: str, default: Callable, arg):
+        if m.state is ParamState.GATHERED:
+            return default(m.slot.param, arg)
+        raise UsageError(f"{what} of {m.slot.name}: offload stage 3 holds it partitioned, this rank only its part, "
+                         f"so there is nothing whole to copy; {_COPY_INSTEAD}")
+
+    def __reduce_ex__(self, protocol):
+        """Reached through the hooks when every parameter met was gathered."""
+        raise UsageError(f"copying or pickling a model that an offload stage 3 engine holds would copy the engine "
+                         f"with its hooks; {_COPY_INSTEAD}")
 
     # -- tiers -----------------------------------------------------------------------
 
@@ -686,6 +729,9 @@ class PartitionedWeights:
         for module in self._reporting:
             module.__dict__["_parameters"] = dict(module._parameters)
         self._reporting = []
+        for m in self._managed.values():
+            vars(m.slot.param).pop("__deepcopy__", None)
+            vars(m.slot.param).pop("__reduce_ex__", None)
         self._land_uploads()
         if self.store is not None:
             self.store.close()

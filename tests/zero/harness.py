@@ -139,6 +139,18 @@ def spawn_ranks(worker: Callable[[int, int, str], None], out_dir: Path, world: i
     return [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+def each_tier(rank: int, port: int, out_dir: str, tiers: tuple[str, ...], check: Callable[[str, str], Any]) -> NoReturn:
+    """A two-rank ``spawn_ranks`` worker's body: ``check(tier, nvme_dir)`` for
+    each tier, with a swap directory of this rank's own, results by tier."""
+    init_gloo(rank, 2, port)
+    results = {}
+    for tier in tiers:
+        nvme = os.path.join(out_dir, f"nvme{rank}-{tier}")
+        os.makedirs(nvme)
+        results[tier] = check(tier, nvme)
+    finish_rank(out_dir, rank, results)
+
+
 def finish_rank(out_dir: str, rank: int, result: Any) -> NoReturn:
     """Hand ``result`` to ``spawn_ranks`` and leave. Interpreter teardown is
     skipped: gloo's background threads occasionally abort the process there

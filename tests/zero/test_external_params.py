@@ -3,7 +3,6 @@ DeepSpeed does for its external parameters (Note [parameters read by another
 module]): training equals AdamW in every weight tier at world sizes 1 and 2,
 and read-ahead resumes once the new order is recorded."""
 
-import os
 import warnings
 
 import pytest
@@ -15,8 +14,7 @@ import offload
 from offload import _native
 from offload.zero.stage3 import ParamState
 
-from .harness import (DIM, SEQ, VOCAB, batch, config, finish_rank, init_gloo, max_difference, spawn_ranks,
-                      train_reference)
+from .harness import DIM, SEQ, VOCAB, batch, config, each_tier, max_difference, spawn_ranks, train_reference
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -100,13 +98,7 @@ def test_parameters_read_by_another_module_train_as_adamw(tmp_path, tier):
 
 
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, 2, port)
-    results = {}
-    for tier in ("cpu", "nvme"):
-        nvme = os.path.join(out_dir, f"nvme{rank}-{tier}")
-        os.makedirs(nvme)
-        results[tier] = _train_and_check(tier, nvme, world=2, rank=rank)
-    finish_rank(out_dir, rank, results)
+    each_tier(rank, port, out_dir, ("cpu", "nvme"), lambda tier, nvme: _train_and_check(tier, nvme, world=2, rank=rank))
 
 
 def test_world_size_2(tmp_path):

@@ -6,7 +6,6 @@ step would undo, is refused at every stage."""
 
 import copy
 import io
-import os
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from offload import _native
 from offload.errors import UsageError
 from offload.zero.stage3 import ParamState
 
-from .harness import batch, config, finish_rank, init_gloo, make_model, spawn_ranks, train_engine
+from .harness import batch, config, each_tier, make_model, spawn_ranks, train_engine
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -48,14 +47,11 @@ def test_the_models_state_dict_holds_every_parameter_whole(tmp_path, tier):
 
 
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, 2, port)
-    results = {}
-    for tier in ("cpu", "nvme"):
-        nvme = os.path.join(out_dir, f"nvme{rank}-{tier}")
-        os.makedirs(nvme)
+    def check(tier: str, nvme: str) -> dict:
         with _trained(tier, nvme, rank) as engine:
-            results[tier] = _state_dict_check(engine)
-    finish_rank(out_dir, rank, results)
+            return _state_dict_check(engine)
+
+    each_tier(rank, port, out_dir, ("cpu", "nvme"), check)
 
 
 def test_the_models_state_dict_with_two_ranks(tmp_path):

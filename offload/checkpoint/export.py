@@ -4,9 +4,9 @@ model's code nor an engine nor the world size that saved it is needed.
 Each trained parameter is assembled from every rank's master-weight section
 (Note [flat layout], ``zero/consolidate.py``), one parameter in memory at a
 time plus one 16 MiB read buffer per rank file, with the keys and in the
-order ``Engine.export`` writes; buffers and frozen parameters are read whole
-from the checkpoint's extras. A checkpoint saved without its frozen
-parameters is refused: its export would not be the model.
+order ``Engine.export`` writes; buffers and frozen parameters come from the
+checkpoint's extras, each read only as it is written. A checkpoint saved
+without its frozen parameters is refused: its export would not be the model.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-from offload.checkpoint.format import Manifest, RankFile, read_extras, read_manifest, resolve
+from offload.checkpoint.format import Manifest, RankFile, read_manifest, resolve, verified_extras
 from offload.errors import CheckpointError
 from offload.pretrained import CONFIGS, DEFAULT_SHARD_BYTES, write_pretrained
-from offload.safetensors_file import write_safetensors
+from offload.safetensors_file import SafetensorsReader, write_safetensors
 from offload.zero.consolidate import assemble, export_plan, keep_local, named_weights, owned_ranges
 
 
@@ -35,23 +35,36 @@ def consolidated(directory: str, manifest: Manifest, dtype: torch.dtype) -> tupl
     layout = manifest.flat_layout()
     records = [p for b in manifest.layout for p in b.params]
     keys = dict(zip(layout.slots, (r.keys for r in records)))
-    extras = read_extras(directory, manifest)
-    others = [(key, extras[key]) for key in manifest.extra_keys]
-    plan = export_plan(layout, keys.__getitem__, others, dtype)
+    path = verified_extras(directory, manifest)
+    entries = {} if path is None else _entries(path)
+    # Shapes and dtypes only (the meta device): each value is read as it is written.
+    shapes = [(key, torch.empty(entries[key][1], dtype=entries[key][0], device="meta")) for key in manifest.extra_keys]
+    plan = export_plan(layout, keys.__getitem__, shapes, dtype)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         files: list[RankFile] = []
+        extras = None
         try:
             for r in range(manifest.world_size):
                 files.append(RankFile.open(directory, manifest, r))
             sources = {r: f.readers["master"].ranges(owned_ranges(layout, r)) for r, f in enumerate(files)}
+            extras = None if path is None else SafetensorsReader(path)
+            others = ((key, extras.read(key).view(meta.shape)) for key, meta in shapes)
             yield from named_weights(assemble(layout, sources, keep_local, torch.device("cpu")), keys.__getitem__,
                                      others, dtype)
         finally:
             for f in files:
                 f.close()
+            if extras is not None:
+                extras.close()
 
     return plan, tensors()
+
+
+def _entries(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    reader = SafetensorsReader(path)
+    reader.close()
+    return reader.entries
 
 
 def export(path: str, out: str, dtype: torch.dtype, tag: str | None = None) -> Manifest:

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from offload.errors import CheckpointError
-from offload.safetensors_file import read_safetensors
 from offload.zero.layout import FlatLayout
 
 FORMAT = "offload-checkpoint-2"  # 2: the manifest records each rank's RNG states
@@ -227,12 +226,6 @@ def verified_extras(directory: str, manifest: Manifest) -> str | None:
     if crc != manifest.extra_crc32:
         raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
     return path
-
-
-def read_extras(directory: str, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters, all in memory, checksum verified first."""
-    path = verified_extras(directory, manifest)
-    return {} if path is None else read_safetensors(path)
 
 
 # -- chunked, checksummed sections ------------------------------------------------------

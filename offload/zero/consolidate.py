@@ -10,7 +10,7 @@ way one parameter is in memory at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +72,7 @@ def keep_local(piece: torch.Tensor, rank: int) -> None:
 
 
 def named_weights(parameters: Iterator[tuple[Slot, torch.Tensor]], keys: Callable[[Slot], list[str]],
-                  others: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                  others: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) for every state-dict entry: the assembled parameters first,
     under each of their ``keys``, then ``others`` (buffers, frozen
     parameters); floating values in ``dtype``."""

@@ -89,3 +89,50 @@ def test_export_streams_one_parameter_at_a_time(tmp_path, stage):
                          text=True, env=env, timeout=300, check=True).stdout
     growth = int(out.split()[-1])
     assert growth < model_bytes / 2, (growth, model_bytes)
+
+
+_CHECKPOINT_STREAM_SCRIPT = """
+import sys, psutil, torch, offload
+from offload import safetensors_file
+from offload.checkpoint.export import export
+from tests.zero.test_engine import Wide
+path = sys.argv[1]
+torch.manual_seed(0)
+model = Wide()
+for layer in model.layers[1:]:
+    layer.requires_grad_(False)
+cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+with offload.initialize(model, cfg) as engine:
+    engine.save_checkpoint(path + "/checkpoint")
+    expected = engine.state_dict()
+rss_before = psutil.Process().memory_info().rss
+peak = rss_before
+original = safetensors_file.SafetensorsReader.read
+
+def sampled(self, *args):
+    global peak
+    peak = max(peak, psutil.Process().memory_info().rss)
+    return original(self, *args)
+
+safetensors_file.SafetensorsReader.read = sampled
+export(path + "/checkpoint", path + "/wide.safetensors", torch.float32)
+peak = max(peak, psutil.Process().memory_info().rss)
+safetensors_file.SafetensorsReader.read = original
+exported = safetensors_file.read_safetensors(path + "/wide.safetensors")
+print(exported.keys() == expected.keys() and all(torch.equal(exported[k], v) for k, v in expected.items()),
+      peak - rss_before)
+"""
+
+
+def test_a_checkpoints_export_reads_its_frozen_parameters_one_at_a_time(tmp_path):
+    """Seven of Wide's eight layers frozen (a LoRA's base, in miniature): their
+    29 MB are in the checkpoint's extras, which ``offload export`` reads as it
+    writes each (it read them all first). In a subprocess with glibc's mmap
+    threshold fixed, as the test above."""
+    frozen_bytes = 7 * (1024 * 1024 + 1024) * 4
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", _CHECKPOINT_STREAM_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=300, check=True).stdout.split()
+    assert out[-2] == "True"
+    assert int(out[-1]) < frozen_bytes / 3, (int(out[-1]), frozen_bytes)

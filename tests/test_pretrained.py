@@ -318,8 +318,8 @@ def test_from_pretrained_loads_what_the_engine_trained(tmp_path, build):
 
 
 _LOAD_SCRIPT = """
-import sys, psutil, torch, offload
-from offload import safetensors_file
+import sys, torch, offload
+from tests.read_memory import growth_while_reading
 path, layers = sys.argv[1], int(sys.argv[2])
 
 def Wide():
@@ -337,22 +337,12 @@ torch.manual_seed(1)
 with offload.init(cfg):
     model = Wide()
 engine = offload.initialize(model, cfg)
-rss_before = psutil.Process().memory_info().rss
-peak = rss_before
-original = safetensors_file.SafetensorsReader.read
-
-def sampled(self, *args):
-    global peak
-    peak = max(peak, psutil.Process().memory_info().rss)
-    return original(self, *args)
-
-safetensors_file.SafetensorsReader.read = sampled
-offload.load_weights(engine, path + "/wide.safetensors")
-peak = max(peak, psutil.Process().memory_info().rss)
+with growth_while_reading() as growth:
+    offload.load_weights(engine, path + "/wide.safetensors")
 loaded = engine.state_dict()
 engine.close()
 torch.manual_seed(0)
-print(all(torch.equal(loaded[k], v) for k, v in Wide().state_dict().items()), peak - rss_before)
+print(all(torch.equal(loaded[k], v) for k, v in Wide().state_dict().items()), growth["bytes"])
 """
 
 

@@ -92,9 +92,10 @@ def test_export_streams_one_parameter_at_a_time(tmp_path, stage):
 
 
 _CHECKPOINT_STREAM_SCRIPT = """
-import sys, psutil, torch, offload
-from offload import safetensors_file
+import sys, torch, offload
 from offload.checkpoint.export import export
+from offload.safetensors_file import read_safetensors
+from tests.read_memory import growth_while_reading
 from tests.zero.test_engine import Wide
 path = sys.argv[1]
 torch.manual_seed(0)
@@ -105,22 +106,11 @@ cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
 with offload.initialize(model, cfg) as engine:
     engine.save_checkpoint(path + "/checkpoint")
     expected = engine.state_dict()
-rss_before = psutil.Process().memory_info().rss
-peak = rss_before
-original = safetensors_file.SafetensorsReader.read
-
-def sampled(self, *args):
-    global peak
-    peak = max(peak, psutil.Process().memory_info().rss)
-    return original(self, *args)
-
-safetensors_file.SafetensorsReader.read = sampled
-export(path + "/checkpoint", path + "/wide.safetensors", torch.float32)
-peak = max(peak, psutil.Process().memory_info().rss)
-safetensors_file.SafetensorsReader.read = original
-exported = safetensors_file.read_safetensors(path + "/wide.safetensors")
+with growth_while_reading() as growth:
+    export(path + "/checkpoint", path + "/wide.safetensors", torch.float32)
+exported = read_safetensors(path + "/wide.safetensors")
 print(exported.keys() == expected.keys() and all(torch.equal(exported[k], v) for k, v in expected.items()),
-      peak - rss_before)
+      growth["bytes"])
 """
 
 

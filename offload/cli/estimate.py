@@ -6,7 +6,8 @@ for every stage x optimizer tier x weight tier this engine supports, the bytes
 per GPU (per rank), CPU and NVMe (per node), with the engine's buffers sized
 from --config, whether that fits the given memory, and the bytes moved per
 step between host and GPU and to the disk. Activations and the framework's
-own memory are not included: leave headroom for them.
+own memory are not included: leave headroom for them. Every parameter is
+counted as trained: a LoRA's frozen base needs no gradient or optimizer state.
 """
 
 from __future__ import annotations

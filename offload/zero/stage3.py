@@ -22,7 +22,10 @@ A parameter is gathered while anyone holds a reference:
     backward (and before any activation-checkpoint recomputation inside it);
     one on its inputs (``all`` of them) drops it once the gradient has flowed
     through the module. So a tied weight is released between its uses, and
-    in-place operations on outputs or inputs are fine (hooks, not views). The
+    in-place operations on outputs or inputs are fine (hooks, not views). An
+    output no operation of the module recorded (a leaf made to require grad
+    after it, as PEFT's enable_input_require_grads does to a frozen
+    embedding's) takes no reference: no backward runs through the module. The
     parameter's post-accumulate-grad hook drops any backward reference left
     (a frozen parameter has none: the inputs' hook or the end of backward does).
   - leftovers (parameters that got no gradient) are dropped at the end of
@@ -39,7 +42,8 @@ reports reads by name (``nn.Module.__getattr__`` goes through it), and every
 module pushes itself on a stack of forwards under way. A partitioned
 parameter read by name during a forward is gathered then and becomes one of
 the innermost running module's own, from then on gathered and released with
-it, in forward and backward, as DeepSpeed's external parameters are. The
+it, in forward and backward, as DeepSpeed's external parameters are; so does
+a parameter a module returns as it is, for the module that called it. The
 order recorded in that pass no longer holds, so the next pass records it
 again. Read outside any forward (``model.wte.weight.shape``) a parameter is
 left as it is: its shape is right, its values are not there.
@@ -471,9 +475,12 @@ class PartitionedWeights:
         if not self._running:
             return
         m = self._managed.get(param)
-        if m is None or m.state is ParamState.GATHERED:
-            return
-        self._direct_of.setdefault(self._running[-1], []).append(m)
+        if m is not None and m.state is ParamState.PARTITIONED:
+            self._adopt(self._running[-1], m)
+
+    def _adopt(self, module: torch.nn.Module, m: _Managed) -> None:
+        """m becomes one of ``module``'s own, gathered now."""
+        self._direct_of.setdefault(module, []).append(m)
         if not self._adopted:
             self._adopted = True
             self._on_trace = False
@@ -487,7 +494,16 @@ class PartitionedWeights:
                 pass
         if not self._direct(module):
             return
-        outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if self._running:  # a parameter returned as it is goes on to the caller
+            caller = self._direct(self._running[-1])
+            for t in pytree.tree_leaves(output):
+                m = self._managed.get(t) if isinstance(t, torch.nn.Parameter) else None
+                if m is not None and m not in caller:
+                    self._adopt(self._running[-1], m)
+        # Outputs the module's own operations recorded (or its parameters returned as they are); a
+        # leaf made to require grad afterwards has no backward through the module (Note [gather references]).
+        outputs = [t for t in _grad_tensors(output) if t.grad_fn is not None or t in self._managed] \
+            if torch.is_grad_enabled() else []
         if outputs:  # fires when the first output gradient arrives, before the module's backward
             self._pass_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                 outputs, lambda grad: self.gather_for_backward(module), mode="any"))

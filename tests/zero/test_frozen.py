@@ -20,8 +20,8 @@ from offload.errors import CheckpointError, UsageError
 from offload.safetensors_file import write_safetensors
 from offload.zero.stage3 import ParamState
 
-from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
-                      train_reference)
+from .harness import (DIM, VOCAB, batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
+                      train_engine, train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -193,17 +193,68 @@ def test_a_step_does_not_gather_persistent_frozen_parameters_again(tmp_path):
     frozen ones: a persistent frozen parameter stays gathered across steps."""
     cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
     with train_engine(_model(), 1, 1, cfg) as engine:
-        gathered, gather = [], engine.weights._gather
-        def counted(m, record=True):
-            if m.state is ParamState.PARTITIONED:
-                gathered.append(m.slot.name)
-            gather(m, record)
-
-        engine.weights._gather = counted
+        gathered = _count_gathers(engine)
         engine.backward(engine(batch(1, 0, 0)))
         engine.step()
     assert "norm.bias" in gathered and "norm.weight" not in gathered  # both persistent; the weight is frozen
     assert "blocks.1.0.weight" in gathered  # frozen, not persistent: gathered for its module, as before
+
+
+def _count_gathers(engine) -> list[str]:
+    """The names of the parameters stage 3 gathers from now on, once per gather."""
+    gathered, gather = [], engine.weights._gather
+
+    def counted(m, record=True):
+        if m.state is ParamState.PARTITIONED:
+            gathered.append(m.slot.name)
+        gather(m, record)
+
+    engine.weights._gather = counted
+    return gathered
+
+
+class InputGrads(torch.nn.Module):
+    """PEFT's enable_input_require_grads in miniature: a forward hook makes the
+    frozen embedding's output require grad, so that checkpointed trainable
+    blocks recompute with gradients; a frozen head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM).requires_grad_(False)
+        self.embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(2))
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False).requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_frozen_embedding_made_to_require_grad_is_not_gathered_for_backward(tmp_path, tier):
+    """Its backward needs no weights (token ids take no gradient, nor does the
+    frozen weight): one gather per micro-step, for forward (there were two).
+    The frozen head's input takes a gradient through its weight: two. Training
+    equals AdamW."""
+    cfg = config(3, "cpu", 2, str(tmp_path), param_device=tier)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    torch.manual_seed(0)
+    model = InputGrads()
+    ref = train_reference(model, STEPS, 1, 2, cfg)
+    engine = offload.initialize(model, cfg)
+    gathered = _count_gathers(engine)
+    with engine:
+        for step in range(STEPS):
+            for micro in range(2):
+                engine.backward(engine(batch(step, micro, 0)))
+                engine.step()
+        trained = list(gathered)
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+    micro_steps = STEPS * 2
+    assert trained.count("embed.weight") == micro_steps
+    assert trained.count("head.weight") == trained.count("blocks.0.weight") == 2 * micro_steps
 
 
 def test_checkpoints_hold_one_gathered_frozen_parameter_at_a_time(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""Stage 3 gathers a parameter that a module reads from another module, as
-DeepSpeed does for its external parameters (Note [parameters read by another
-module]): training equals AdamW in every weight tier at world sizes 1 and 2,
+"""Stage 3 gathers a parameter that a module reads from another module, or
+that a module returns to its caller, as DeepSpeed does for its external
+parameters (Note [parameters read by another module]): training equals AdamW in every weight tier at world sizes 1 and 2,
 and read-ahead resumes once the new order is recorded."""
 
 import warnings
@@ -36,20 +36,33 @@ class JoinedHead(nn.Module):
         return x @ torch.cat([self.transposed.weight.t(), self.rest.weight], dim=0)
 
 
+class Gain(nn.Module):
+    """Returns its parameter as it is: the caller's backward needs its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(DIM) + 0.1 * torch.randn(DIM))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
 class ReadsOthers(nn.Module):
-    """The root reads its child's position table, as Voxtral's encoder does;
-    blocks between that and the head keep other parameters coming and going."""
+    """The root reads its child's position table, as Voxtral's encoder does,
+    and multiplies by what another child returns; blocks between that and the
+    head keep other parameters coming and going."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.positions = nn.Embedding(SEQ, DIM)
+        self.gain = Gain()
         self.blocks = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
         self.head = JoinedHead()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens[:, :-1]) + self.positions.weight[: tokens.shape[1] - 1]
-        logits = self.head(self.blocks(x))
+        logits = self.head(self.blocks(x) * self.gain())
         return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 

@@ -43,10 +43,21 @@ module pushes itself on a stack of forwards under way. A partitioned
 parameter read by name during a forward is gathered then and becomes one of
 the innermost running module's own, from then on gathered and released with
 it, in forward and backward, as DeepSpeed's external parameters are; so does
-a parameter a module returns as it is, for the module that called it. The
+a parameter a module returns as it is or as a view (Perceiver's latents
+``expand``ed), for the module that called it. The
 order recorded in that pass no longer holds, so the next pass records it
 again. Read outside any forward (``model.wte.weight.shape``) a parameter is
 left as it is: its shape is right, its values are not there.
+
+Note [in-place changes]
+A gathered parameter is a copy: releasing it drops its values, and each step
+publishes new ones from the master weights. A change made to it in place (a
+model rescaling its weights in eval mode, as RWKV does; a ``no_grad``
+``fill_``) would be lost without a word, so each gather notes the
+parameter's version counter, which every in-place operation on it advances
+(``.data`` has a counter of its own, which the engine's copies use), and
+releasing a parameter whose counter moved is an error naming it. A persistent
+frozen parameter is never released, so a change to it stays, as in PyTorch.
 
 Note [the model's own copies]
 Outside forward, what copies a parameter's values goes through the model:
@@ -124,6 +135,7 @@ class _Managed:
     state: ParamState = ParamState.PARTITIONED
     forward_refs: int = 0
     backward_refs: int = 0
+    version: int = 0  # the parameter's version counter when gathered (Note [in-place changes])
 
     @property
     def refs(self) -> int:
@@ -304,6 +316,7 @@ class PartitionedWeights:
         if m is None or m.state is ParamState.GATHERED:
             tensor.detach().copy_(read(0, tensor.numel()).view(tensor.shape))
         if m is not None:
+            m.version = tensor._version  # this change reaches the part too
             part = m.layout.owned_values(m.bucket, self.dtype, lambda slot, lo, hi: read(lo, hi))
             self._write_shard(m, part, on_host=True)
             self._land_uploads()
@@ -431,6 +444,7 @@ class PartitionedWeights:
             landing.release()  # the host buffer goes back to the store only once the copy has read it
             self._done_with_shard(m)
         m.state = ParamState.GATHERED
+        m.version = p._version
         self._count_live(numel)
         if record:
             self._note_order(m)
@@ -445,12 +459,19 @@ class PartitionedWeights:
 
     def _free(self, m: _Managed) -> None:
         p = m.slot.param
+        changed = m.state is ParamState.GATHERED and p._version != m.version
         if m.state is ParamState.GATHERED:
             self.live_elements -= m.slot.numel
         else:
             p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
         p.data.untyped_storage().resize_(0)
         m.state = ParamState.PARTITIONED
+        if changed:
+            raise UsageError(f"{m.slot.name} was changed in place while gathered (RWKV's rescale_every does this in "
+                             "eval mode; so does a no_grad fill_ or mul_): offload stage 3 keeps each rank's part "
+                             "and the master weights, not the gathered copy, so the change would be lost; turn the "
+                             "model's in-place rescaling off (RWKV: rescale_every=0), or change weights with "
+                             "offload.load_weights before the first step (Note [in-place changes])")
 
     def _release(self, m: _Managed) -> None:
         if m.refs == 0 and not m.persistent and m.state is ParamState.GATHERED:
@@ -494,10 +515,11 @@ class PartitionedWeights:
                 pass
         if not self._direct(module):
             return
-        if self._running:  # a parameter returned as it is goes on to the caller
+        if self._running:  # a parameter returned as it is, or a view of it, goes on to the caller
             caller = self._direct(self._running[-1])
             for t in pytree.tree_leaves(output):
-                m = self._managed.get(t) if isinstance(t, torch.nn.Parameter) else None
+                base = t._base if isinstance(t, torch.Tensor) and t._base is not None else t
+                m = self._managed.get(base) if isinstance(base, torch.nn.Parameter) else None
                 if m is not None and m not in caller:
                     self._adopt(self._running[-1], m)
         # Outputs the module's own operations recorded (or its parameters returned as they are); a

@@ -1,5 +1,5 @@
 """Stage 3 gathers a parameter that a module reads from another module, or
-that a module returns to its caller, as DeepSpeed does for its external
+that a module returns to its caller (whole or as a view), as DeepSpeed does for its external
 parameters (Note [parameters read by another module]): training equals AdamW in every weight tier at world sizes 1 and 2,
 and read-ahead resumes once the new order is recorded."""
 
@@ -47,22 +47,35 @@ class Gain(nn.Module):
         return self.weight
 
 
+class Offsets(nn.Module):
+    """Returns a view of its parameter, as Perceiver's embeddings return their
+    latents ``expand``ed over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(0.1 * torch.randn(SEQ - 1, DIM))
+
+    def forward(self, batch: int) -> torch.Tensor:
+        return self.table.expand(batch, -1, -1)
+
+
 class ReadsOthers(nn.Module):
     """The root reads its child's position table, as Voxtral's encoder does,
-    and multiplies by what another child returns; blocks between that and the
-    head keep other parameters coming and going."""
+    multiplies by what another child returns and adds a view a third returns;
+    blocks between that and the head keep other parameters coming and going."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.positions = nn.Embedding(SEQ, DIM)
         self.gain = Gain()
+        self.offsets = Offsets()
         self.blocks = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
         self.head = JoinedHead()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens[:, :-1]) + self.positions.weight[: tokens.shape[1] - 1]
-        logits = self.head(self.blocks(x) * self.gain())
+        logits = self.head(self.blocks(x) * self.gain() + self.offsets(tokens.shape[0]))
         return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 

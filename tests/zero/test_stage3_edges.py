@@ -13,6 +13,7 @@ import torch.utils.checkpoint as cp
 
 import offload
 from offload import _native
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 from offload.safetensors_file import read_safetensors
 
@@ -215,3 +216,30 @@ def test_parameters_a_module_reads_from_a_parameter_list_or_dict(tmp_path):
     with _engine(model, cfg, data, lambda m, x: m(x)) as engine:
         state = engine.state_dict()
     assert max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-5
+
+
+class RescalesInEval(nn.Module):
+    """Halves its weight in place when run in eval mode, as RWKV's rescale_every does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if not self.training:
+            with torch.no_grad():
+                self.lin.weight.mul_(0.5)
+        return self.lin(x).square().mean()
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
+def test_an_in_place_change_to_a_gathered_weight_is_an_error_naming_it(tmp_path, tier):
+    """Note [in-place changes]: the change would be lost when the weight is
+    released; training without such changes is untouched by the check."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device=tier)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    torch.manual_seed(0)
+    with _engine(RescalesInEval(), cfg, [torch.randn(4, 16) for _ in range(2)], lambda m, x: m(x)) as engine:
+        engine.module.eval()
+        with torch.no_grad(), pytest.raises(UsageError, match="lin.weight was changed in place while gathered"):
+            engine(torch.randn(4, 16))

@@ -63,7 +63,7 @@ Note [the model's own copies]
 Outside forward, what copies a parameter's values goes through the model:
   - ``model.state_dict()`` holds each partitioned parameter whole, gathered
     in turn (a collective, as FSDP's full state dict: every rank calls it),
-    in the compute dtype the model runs in; ``Engine.state_dict`` gives the
+    into host memory, in the compute dtype the model runs in; ``Engine.state_dict`` gives the
     fp32 master weights. With ``keep_vars`` it holds the parameters themselves.
   - ``copy.deepcopy`` and pickling (``torch.save(model)``) of a partitioned
     parameter are refused by name: this rank holds only its part, and a copy
@@ -96,7 +96,12 @@ Prefetch: the first pass records the order in which parameters are gathered.
 Later passes read ahead the parameters due next, within the bounds above. If
 a pass departs from the record (data-dependent control flow), read-ahead
 stops for that pass, a warning says so once, and that pass's order becomes
-the new record. Results never depend on prefetching.
+the new record. Results never depend on prefetching. A pass (a forward and,
+with gradients on, its backward) begins when the engine is called, or when
+a module is called while no pass is open: no forward under way and no
+backward awaited, as in each decoding step of ``generate``, which calls the
+model itself. Activation-checkpoint recomputation runs inside a backward, so
+it never begins one.
 """
 
 from __future__ import annotations
@@ -279,6 +284,7 @@ class PartitionedWeights:
         self._pass_hooks = []
         self._direct_of: dict[torch.nn.Module, list[_Managed]] = {}  # what a module's hooks gather
         self._running: list[torch.nn.Module] = []  # forwards under way, innermost last
+        self._pass_open = False  # a forward is under way or its backward awaited (the module's docstring)
         self._adopted = False  # a module took another's parameter this pass: record the order again
         self._reporting: list[torch.nn.Module] = []  # modules whose _parameters report reads
         self._scratch: torch.Tensor | None = None  # where the optimizer writes a sub-group's new weights
@@ -328,6 +334,11 @@ class PartitionedWeights:
                 self._gather(m, record=False)
         containers = (torch.nn.ParameterList, torch.nn.ParameterDict)  # read by their parent, never called
         for module in self._model.modules():
+            if any(p in self._managed for p in module._parameters.values()):
+                module.__dict__["_parameters"] = _ReadReporting(module._parameters, self._read_by_name)
+                self._reporting.append(module)
+                # A partial: torch marks the hook it is given, which a bound method cannot take.
+                self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._whole_in_state_dict)))
             if isinstance(module, containers):
                 continue
             held = [*module.parameters(recurse=False),
@@ -336,13 +347,9 @@ class PartitionedWeights:
             direct = [self._managed[p] for p in dict.fromkeys(held) if p in self._managed]
             if direct:
                 self._direct_of[module] = direct
-            if any(p in self._managed for p in module._parameters.values()):
-                module.__dict__["_parameters"] = _ReadReporting(module._parameters, self._read_by_name)
-                self._reporting.append(module)
-                # A partial: torch marks the hook it is given, which a bound method cannot take.
-                self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._whole_in_state_dict)))
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(self._post_forward))
+            # always_call: a forward that raises still leaves the stack and drops its references.
+            self._hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
@@ -359,7 +366,7 @@ class PartitionedWeights:
             m = self._managed.get(param)
             if m is not None and key in state_dict and state_dict[key] is not param and \
                     m.state is ParamState.PARTITIONED:
-                state_dict[key] = self.whole(param)
+                state_dict[key] = self.whole(param).cpu()  # one parameter on the accelerator at a time
 
     def _copy(self, m: _Managed, what: str, default: Callable, arg):
         if m.state is ParamState.GATHERED:
@@ -468,7 +475,7 @@ class PartitionedWeights:
         m.state = ParamState.PARTITIONED
         if changed:
             raise UsageError(f"{m.slot.name} was changed in place while gathered (RWKV's rescale_every does this in "
-                             "eval mode; so does a no_grad fill_ or mul_): offload stage 3 keeps each rank's part "
+                             "eval mode, nn.Embedding's max_norm renormalises rows, a no_grad fill_ or mul_ does): offload stage 3 keeps each rank's part "
                              "and the master weights, not the gathered copy, so the change would be lost; turn the "
                              "model's in-place rescaling off (RWKV: rescale_every=0), or change weights with "
                              "offload.load_weights before the first step (Note [in-place changes])")
@@ -481,6 +488,8 @@ class PartitionedWeights:
         return self._direct_of.get(module, [])
 
     def _pre_forward(self, module, args, kwargs):
+        if not self._pass_open:  # called on its own, as generate's decoding steps call the model
+            self.begin_pass()
         self._running.append(module)
         direct = self._direct(module)
         for m in direct:
@@ -501,7 +510,9 @@ class PartitionedWeights:
 
     def _adopt(self, module: torch.nn.Module, m: _Managed) -> None:
         """m becomes one of ``module``'s own, gathered now."""
-        self._direct_of.setdefault(module, []).append(m)
+        own = self._direct_of.setdefault(module, [])
+        if m not in own:
+            own.append(m)
         if not self._adopted:
             self._adopted = True
             self._on_trace = False
@@ -513,6 +524,8 @@ class PartitionedWeights:
         if module in self._running:  # a nested forward that raised left its entry above this one
             while self._running.pop() is not module:
                 pass
+        if not self._running and not torch.is_grad_enabled() and not self._pass_hooks:
+            self._pass_open = False  # no backward follows, nor is one awaited from an earlier forward
         if not self._direct(module):
             return
         if self._running:  # a parameter returned as it is, or a view of it, goes on to the caller
@@ -555,13 +568,14 @@ class PartitionedWeights:
             handle.remove()
         self._pass_hooks.clear()
         self._running.clear()  # recomputation stopped inside a module (Note [gather references])
+        self._pass_open = False
         self._drop_references()
 
     def _drop_references(self) -> None:
         """Backward references left belong to parameters that got no gradient;
-        forward ones to a module whose forward never finished (an exception, or
-        activation checkpointing stopping its recomputation early, inside the
-        module)."""
+        forward ones to a module whose post-hook did not run (it runs when a
+        forward raises too, and when activation checkpointing stops its
+        recomputation early inside the module, but not under torch.compile)."""
         for m in self._managed.values():
             m.forward_refs = m.backward_refs = 0
             self._release(m)
@@ -580,6 +594,7 @@ class PartitionedWeights:
             self._trace[self._training] = self._record
         self._training = torch.is_grad_enabled()
         self._record, self._cursor, self._on_trace = [], 0, True
+        self._pass_open = True
         self._prefetch()
 
     def _note_order(self, m: _Managed) -> None:

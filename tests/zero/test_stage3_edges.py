@@ -5,6 +5,7 @@ parameters; kwargs inputs; modules a meta build cannot initialise;
 parameters read from a ParameterList or ParameterDict."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,10 +15,11 @@ import torch.utils.checkpoint as cp
 import offload
 from offload import _native
 from offload.errors import UsageError
+from offload.zero.stage3 import ParamState
 from offload.models.gpt import GPT, SIZES
 from offload.safetensors_file import read_safetensors
 
-from .harness import batch, config, make_model, max_difference
+from .harness import batch, config, make_model, max_difference, train_engine
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -215,7 +217,9 @@ def test_parameters_a_module_reads_from_a_parameter_list_or_dict(tmp_path):
         opt.step()
     with _engine(model, cfg, data, lambda m, x: m(x)) as engine:
         state = engine.state_dict()
+        own = engine.module.state_dict()  # the containers' parameters gathered too (Note [the model's own copies])
     assert max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-5
+    assert own.keys() == state.keys() and all(torch.equal(own[k], state[k]) for k in state)
 
 
 class RescalesInEval(nn.Module):
@@ -243,3 +247,81 @@ def test_an_in_place_change_to_a_gathered_weight_is_an_error_naming_it(tmp_path,
         engine.module.eval()
         with torch.no_grad(), pytest.raises(UsageError, match="lin.weight was changed in place while gathered"):
             engine(torch.randn(4, 16))
+
+
+def test_calling_the_model_itself_begins_a_pass_as_generate_does(tmp_path):
+    """generate calls the model, not the engine, once per decoding step: each
+    call begins a pass, so the recorded order holds (no warning that it
+    changed) and later calls read ahead; the losses are the engine's own."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    tokens = batch(9, 0, 0)
+    with train_engine(make_model(), 2, 1, cfg) as engine:
+        with torch.no_grad():
+            expected = engine(tokens).item()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the order-changed RuntimeWarning fails the test
+                losses, ahead = [], []
+                for _ in range(4):
+                    losses.append(engine.module(tokens).item())
+                    ahead.append(engine.weights.uploads_ahead)
+    assert losses == [expected] * 4
+    assert ahead[3] - ahead[2] == ahead[2] - ahead[1] > 0  # every call after the first reads the same ahead
+
+
+class Projections(nn.Module):
+    """Two weights read by the module itself, then a checkpointed Linear whose
+    recomputation during backward calls a module again."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.p = nn.Parameter(torch.randn(16, 16) / 4)
+        self.q = nn.Parameter(torch.randn(16, 16) / 4)
+        self.block = nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = (x @ self.p) @ self.q  # saves q for the gradient of x @ p
+        return cp.checkpoint(self.block, a, use_reentrant=self.reentrant).square().mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_no_grad_call_between_forward_and_backward_keeps_the_pass(tmp_path, reentrant):
+    """A reference forward of the model itself, without gradients, between the
+    engine's forward and its backward (as DPO makes), joins the open pass: the
+    checkpoint's recomputation in backward must not begin a new one, which
+    would drop the weights the backward still needs."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    states = []
+    for interpose in (False, True):
+        torch.manual_seed(0)
+        with offload.initialize(Projections(reentrant), cfg) as engine:
+            loss = engine(x)
+            if interpose:
+                with torch.no_grad():
+                    engine.module(x)
+            engine.backward(loss)
+            engine.step()
+            states.append(engine.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_a_forward_that_raises_gives_back_its_weights_and_the_next_call_begins_a_pass(tmp_path):
+    """The post-hooks run when a forward raises (always_call): nothing stays
+    gathered, and the next call of the model itself begins a pass as before."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    with offload.initialize(model, cfg) as engine, torch.no_grad():
+        expected = [engine.module(torch.ones(4, 16)) for _ in range(2)][-1]
+        with pytest.raises(RuntimeError):
+            engine.module(torch.ones(4, 15))  # the first Linear's forward raises
+        assert all(state is ParamState.PARTITIONED for state in engine.weights.states().values())
+        ahead = engine.weights.uploads_ahead
+        again = [engine.module(torch.ones(4, 16)) for _ in range(2)][-1]
+        assert engine.weights.uploads_ahead > ahead  # the calls followed the recorded order
+        assert torch.equal(again, expected)
+        assert all(state is ParamState.PARTITIONED for state in engine.weights.states().values())

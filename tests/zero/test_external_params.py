@@ -132,34 +132,3 @@ def test_world_size_2(tmp_path):
         for tier, result in results.items():
             _assert_good(result, tier, f"rank {rank} {tier}")
 
-
-def test_a_hugging_face_head_that_reads_its_childrens_weights(tmp_path):
-    """MobileBERT's LM head multiplies by ``decoder.weight.t()`` joined with
-    ``dense.weight``: under stage 3 with weights on NVMe it trains as AdamW."""
-    transformers = pytest.importorskip("transformers")
-    hf_config = transformers.MobileBertConfig(
-        vocab_size=VOCAB, hidden_size=32, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
-        num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, num_feedforward_networks=1,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    model = transformers.MobileBertForMaskedLM(hf_config)
-    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    ref = train_reference(_MaskedLoss(model), STEPS, 1, 1, cfg).model
-    with offload.initialize(model, cfg) as engine:
-        for step in range(STEPS):
-            tokens = batch(step, 0, 0)
-            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
-            engine.step()
-        assert max_difference(engine.state_dict(), ref) < TOLERANCE
-
-
-class _MaskedLoss(nn.Module):
-    """The reference's view of a masked LM: tokens in, loss out."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, labels=tokens).loss

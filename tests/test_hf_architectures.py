@@ -1,0 +1,136 @@
+"""Hugging Face architectures that use their parameters in unusual ways,
+built from tiny configs, trained at stage 3 with every weight on NVMe and
+nothing kept gathered, against AdamW on a copy: tied and transposed
+weights, relative-position tables, a layer called several times, a head
+reading its children's weights (MobileBERT), latents returned as a view
+(Perceiver), convolutions, state-space layers; ``generate`` after training
+for a decoder and an encoder-decoder."""
+
+import copy
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+STEPS = 3
+TOLERANCE = 1e-5  # as tests/zero/test_stage3.py
+BATCH, LENGTH, VOCAB = 2, 8, 100
+LM = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+          max_position_embeddings=64)
+
+
+def _tokens(g: torch.Generator, length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (BATCH, length), generator=g)
+
+
+def _causal(g):
+    x = _tokens(g)
+    return {"input_ids": x, "labels": x}
+
+
+def _masked(g):
+    x = _tokens(g)
+    labels = x.clone()
+    labels[:, ::2] = -100
+    return {"input_ids": x, "labels": labels}
+
+
+def _seq2seq(g):
+    return {"input_ids": _tokens(g), "labels": _tokens(g, 6)}
+
+
+def _image(g):
+    return {"pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (BATCH,), generator=g)}
+
+
+def _speech(g):
+    return {"input_features": torch.randn(BATCH, 16, 32, generator=g), "labels": _tokens(g, 6)}
+
+
+def _latents(g):
+    batch = _masked(g)
+    return {"inputs": batch.pop("input_ids"), **batch}
+
+
+MODELS = {
+    "gpt2": (lambda t: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+             _causal),
+    "llama": (lambda t: t.LlamaForCausalLM(t.LlamaConfig(**LM, num_key_value_heads=2)), _causal),
+    "t5": (lambda t: t.T5ForConditionalGeneration(t.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        decoder_start_token_id=0, pad_token_id=0)), _seq2seq),
+    "whisper": (lambda t: t.WhisperForConditionalGeneration(t.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=16, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        suppress_tokens=None, begin_suppress_tokens=None)), _speech),
+    "mobilebert": (lambda t: t.MobileBertForMaskedLM(t.MobileBertConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2,
+        max_position_embeddings=64)), _masked),
+    "perceiver": (lambda t: t.PerceiverForMaskedLM(t.PerceiverConfig(
+        num_latents=4, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=2,
+        num_self_attention_heads=4, num_cross_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=LENGTH,
+        qk_channels=32, v_channels=32)), _latents),
+    "albert": (lambda t: t.AlbertForMaskedLM(t.AlbertConfig(**{**LM, "num_hidden_layers": 3}, embedding_size=16)),
+               _masked),
+    "deberta-v2": (lambda t: t.DebertaV2ForMaskedLM(t.DebertaV2Config(
+        **LM, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])), _masked),
+    "vit": (lambda t: t.ViTForImageClassification(t.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8,
+        num_labels=3)), _image),
+    "mamba": (lambda t: t.MambaForCausalLM(t.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, time_step_rank=4, intermediate_size=64)),
+              _causal),
+}
+
+
+def _without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """The same architecture with every dropout probability 0 (some modules copy
+    the rate when built, so the model is built again from the changed config)."""
+    config = copy.deepcopy(model.config)
+    for part in [config, *(getattr(config, sub) for sub in ("encoder", "decoder", "text_config", "vision_config")
+                           if isinstance(getattr(config, sub, None), transformers.PretrainedConfig))]:
+        for key, value in vars(part).items():
+            if isinstance(value, float) and any(word in key.lower() for word in ("dropout", "pdrop", "drop_prob")):
+                setattr(part, key, 0.0)
+    torch.manual_seed(0)
+    return type(model)(config)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_hugging_face_architecture_trains_at_stage_3_as_adamw(tmp_path, name):
+    build, make_batch = MODELS[name]
+    model = _without_dropout(build(transformers))
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}}}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    batches = [make_batch(g) for _ in range(STEPS)]
+    with offload.initialize(model, cfg) as engine:
+        for batch in batches:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            expected = ref(**batch).loss
+            expected.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            assert abs(loss.item() - expected.item()) < TOLERANCE, name
+        state, ref_state = engine.state_dict(), ref.state_dict()
+        assert max((state[k] - v).abs().max().item() for k, v in ref_state.items() if v.is_floating_point()) < TOLERANCE
+        if name in ("gpt2", "t5"):  # generate calls the model itself, once per new token
+            prompt = {"input_ids": batches[0]["input_ids"], "max_new_tokens": 4, "do_sample": False}
+            with torch.no_grad():
+                assert torch.equal(engine.module.generate(**prompt), ref.generate(**prompt))

@@ -12,7 +12,11 @@ Two levels:
     step between host and accelerator and to the disk.
 
 Note [estimate terms]
-Per rank, with P parameters, N ranks, n = P / N owned elements, d compute
+Per rank, with P parameters, T of them trained (all, unless ``--trainable``
+says a LoRA's adapters; the engine takes a frozen parameter's weights only),
+N ranks, n = P / N owned weight elements, t = T / N owned trained ones
+(gradients, optimizer state, staging and handover below count t where they
+say n, and the largest parameter is at most T), d compute
 bytes (2 for bf16/fp16, 4 for fp32), g owned-gradient bytes (d at stage 1 or
 without accumulation, else 4: Note [owned gradient dtype]), a accumulation
 steps, s = min(sub_group_size, n), and pool(b, k) the pinned pool that lets k
@@ -59,6 +63,7 @@ max_in_cpu) are read twice per micro-batch and written once.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import asdict, dataclass, field
@@ -80,12 +85,29 @@ class ModelShape:
     largest: int  # elements of the largest parameter (sizes stage 3's per-parameter buffers)
     source: str  # how the shape was obtained, for the report
     sizes: tuple[int, ...] = ()  # every parameter's elements, where known
+    trainable: int | None = None  # elements trained (a LoRA's adapters); None: all
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+    @property
+    def largest_trained(self) -> int:
+        """Sizes stage 2's bucket and stage 3's gradient buffer. Which parameters
+        are frozen is not known, only how many elements train: a LoRA's
+        adapters are small, so at most that many."""
+        return min(self.largest, self.trained)
+
+    def with_trainable(self, trainable: int | None) -> ModelShape:
+        return dataclasses.replace(self, trainable=trainable)
 
     def elements_in_cpu(self, max_in_cpu: int, gpus: int) -> int:
         """Per rank, the weight elements stage 3 keeps in host memory with weights
         on nvme: the engine's prefix rule (``stage3.parts_in_cpu``) over each
-        parameter's padded part, where the sizes are known."""
-        if not self.sizes:
+        parameter's padded part, where the sizes are known (and every
+        parameter trains: the engine takes the trained ones first, which
+        sizes alone do not tell)."""
+        if not self.sizes or self.trainable is not None:
             return min(math.ceil(self.params / gpus), max_in_cpu)
         unit = gpus * ALIGN
         parts = [-(-n // unit) * unit // gpus for n in self.sizes]
@@ -112,10 +134,14 @@ class ModelShape:
         return ModelShape(params, max(sizes), f"assumed GPT-like, hidden {hidden}", tuple(sizes))
 
 
-def zero_model_states(params: int, gpus: int, optimizer_bytes: int = 12, weight_bytes: int = 2) -> dict[str, float]:
-    """Bytes per GPU of model states, as in the ZeRO paper (K = optimizer_bytes)."""
-    w = g = weight_bytes * params
-    k = optimizer_bytes * params
+def zero_model_states(params: int, gpus: int, optimizer_bytes: int = 12, weight_bytes: int = 2,
+                      trained: int | None = None) -> dict[str, float]:
+    """Bytes per GPU of model states, as in the ZeRO paper (K = optimizer_bytes);
+    with ``trained`` of the parameters trained, gradients and optimizer state for those only."""
+    trained = params if trained is None else trained
+    w = weight_bytes * params
+    g = weight_bytes * trained
+    k = optimizer_bytes * trained
     return {"baseline": w + g + k, "stage1": w + g + k / gpus, "stage2": w + (g + k) / gpus,
             "stage3": (w + g + k) / gpus}
 
@@ -180,9 +206,10 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype, setup.stage,
                           setup.weights).bytes_per_element
     P = shape.params
-    n = math.ceil(P / gpus)
+    n = math.ceil(P / gpus)  # weights: stage 3 partitions frozen ones too
+    t = math.ceil(shape.trained / gpus)  # owned elements with a gradient and optimizer state
     part = math.ceil(shape.largest / gpus)
-    sub_group = min(zero.sub_group_size, n)
+    sub_group = min(zero.sub_group_size, t)
     grads_on_disk = zero.offload_optimizer.gradients_on_nvme and setup.optimizer == "nvme"
     tiers: dict[str, dict[str, float]] = {t: {} for t in TIERS}
     optimizer_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}[setup.optimizer]
@@ -190,11 +217,13 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     grad_tier = "nvme" if grads_on_disk else beside_optimizer
     weights_on_disk = 0.0  # elements of this rank's weight partition in swap files
 
+    T = shape.trained
     if setup.stage < 3:
         tiers["device"]["weights"] = d * P
-        tiers["device"]["gradient buckets"] = d * (P if setup.stage == 1 else max(min(zero.reduce_bucket_size, P), shape.largest))
+        tiers["device"]["gradient buckets"] = d * (T if setup.stage == 1 else
+                                                   max(min(zero.reduce_bucket_size, T), shape.largest_trained))
         in_place = host_accelerator and not zero.offload_optimizer.delayed_update
-        tiers[beside_optimizer]["staging"] = d * (sub_group if in_place else n)
+        tiers[beside_optimizer]["staging"] = d * (sub_group if in_place else t)
     else:
         if setup.weights == "nvme":
             in_cpu = shape.elements_in_cpu(zero.offload_param.max_in_cpu, gpus)
@@ -210,18 +239,18 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         running = shape.largest if shape.largest > zero.stage3_param_persistence_threshold else 0
         tiers["device"]["weights (gathered)"] = d * min(persistent + running, P)
         tiers[beside_optimizer]["weights (handover buffer)"] = d * sub_group
-        tiers["device"]["gradient buckets"] = d * shape.largest
-    tiers[grad_tier]["gradients (owned)"] = g * n
+        tiers["device"]["gradient buckets"] = d * shape.largest_trained
+    tiers[grad_tier]["gradients (owned)"] = g * t
     if grads_on_disk:
         tiers["host"]["gradient pool"] = pool_bytes([g * sub_group], zero.offload_optimizer.buffer_count)
     if zero.offload_optimizer.delayed_update and setup.optimizer != "none" and setup.stage < 3:
-        tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * n
-    tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else o) * n
+        tiers[grad_tier]["gradients (delayed update's second buffer)"] = g * t
+    tiers[optimizer_tier]["optimizer state"] = (16 if setup.optimizer == "none" else o) * t
     buffers = zero.offload_optimizer.buffer_count
     overlap = zero.offload_optimizer.overlap_step and setup.optimizer != "none" and setup.stage > 1
-    speculated = min(buffers, math.ceil(n / sub_group)) if overlap else 0
+    speculated = min(buffers, math.ceil(t / sub_group)) if overlap else 0
     if setup.optimizer == "nvme":
-        tiers["host"]["optimizer pool"] = _pool_of_sub_groups(o, n, sub_group, buffers + speculated)
+        tiers["host"]["optimizer pool"] = _pool_of_sub_groups(o, t, sub_group, buffers + speculated)
     if speculated:
         # Note [overlapped step]: each speculated sub-group's new low-precision weights, and in host memory its
         # state's copy.
@@ -232,23 +261,24 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     offloaded = setup.optimizer != "none"
     pcie = 0.0
     if offloaded:
-        pcie += d * n * (1 if setup.stage == 1 else a)  # reduced gradient parts down
+        pcie += d * t * (1 if setup.stage == 1 else a)  # reduced gradient parts down
     if setup.stage < 3:
-        pcie += d * n if offloaded else 0  # new weights' owned part up
+        pcie += d * t if offloaded else 0  # new weights' owned part up
     else:
         if setup.weights != "none":
             pcie += 2 * a * d * n  # forward and backward gathers page the local part up
         if offloaded != (setup.weights != "none"):
-            pcie += d * n  # new weights cross once, between the optimizer's tier and the weights'
+            pcie += d * t  # new weights cross once, between the optimizer's tier and the weights'
     read = written = 0.0
     if setup.optimizer == "nvme":
-        read += o * n
-        written += o * n
+        read += o * t
+        written += o * t
         if grads_on_disk:
-            read += g * n * a
-            written += g * n * a
+            read += g * t * a
+            written += g * t * a
     read += 2 * a * d * weights_on_disk
-    written += d * weights_on_disk
+    # Only trained weights are written back; they come first in host memory (Note [stage 3 limits]).
+    written += d * max(0, t - (n - weights_on_disk))
     per_node = gpus // nodes
     return Estimate(setup, tiers, {t: per_node * sum(tiers[t].values()) for t in TIERS}, pcie,
                     per_node * read, per_node * written)

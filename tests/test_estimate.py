@@ -37,6 +37,19 @@ def test_estimate_cli_prints_the_papers_figures(capsys):
     assert "baseline 120.0 GB | stage 1 31.4 GB | stage 2 16.6 GB | stage 3 1.9 GB" in table
 
 
+def test_estimate_cli_counts_a_loras_trained_parameters(capsys):
+    """7B weights, 40M trained: the paper's per-GPU bytes and each setup's
+    gradients and optimizer state follow the 40M; the weights the 7B."""
+    assert main(["estimate", "--params", "7B", "--trainable", "40M", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["trainable"] == 40_000_000
+    assert result["zero_model_states_per_gpu"]["baseline"] == 2 * 7e9 + (2 + 12) * 40e6
+    stage2 = next(e for e in result["setups"] if e["setup"]["name"] == "stage 2, optimizer cpu")
+    assert stage2["per_rank"]["host"]["optimizer state"] == 12 * 40_000_000
+    assert stage2["per_rank"]["host"]["gradients (owned)"] == 2 * 40_000_000
+    assert stage2["per_rank"]["device"]["weights"] == 2 * 7_000_000_000
+
+
 def test_hand_computed_offload_cases():
     P, N = 1_000_000_000, 4  # n = 250M owned elements per rank
     n = 250e6
@@ -95,7 +108,18 @@ def test_the_estimate_counts_the_overlapped_steps_copies_and_buffers(tmp_path, s
     _check_estimate(tmp_path, setup, "float32", "float32", overlap_step=True)
 
 
-def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step):
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+@pytest.mark.parametrize("setup", [Setup(1, "none"), Setup(2, "cpu"), Setup(2, "nvme"), Setup(3, "cpu", "cpu"),
+                                   Setup(3, "nvme", "nvme")], ids=str)
+def test_the_estimate_counts_only_trained_parameters_for_gradients_and_optimizer(tmp_path, setup):
+    """``--trainable``: the embeddings and the first two blocks frozen, as a
+    LoRA's base is; the estimate still lies within 10% of what the engine
+    holds and moves."""
+    _check_estimate(tmp_path, setup, "float32", "float32", overlap_step=False,
+                    frozen=lambda name: name.startswith(("tok.", "pos.", "blocks.0.", "blocks.1.")))
+
+
+def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=lambda name: False):
     c = SIZES["small"]
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             "stage3_max_live_parameters": 200_000,
@@ -108,7 +132,11 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step):
         zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
     config = offload.Config.load({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
     torch.manual_seed(0)
-    engine = offload.initialize(GPT(c), config)
+    model = GPT(c)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not frozen(name))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = offload.initialize(model, config)
     tokens = torch.randint(0, 256, (2, c.block_size + 1))
     for _ in range(2):
         before = engine.disk_traffic()
@@ -119,7 +147,9 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step):
     report = engine.memory_report()
     engine.close()
     peak = {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")}
-    e = estimate(ModelShape.from_config(c), setup, config, 1, host_accelerator=True)
+    shape = ModelShape.from_config(c)
+    e = estimate(shape if trainable == shape.params else shape.with_trainable(trainable), setup, config, 1,
+                 host_accelerator=True)
     for tier, measured in peak.items():
         assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
     for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
@@ -194,6 +224,7 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
     (["estimate", "--model-config", "huge"], "neither a bundled size"),
+    (["estimate", "--params", "1B", "--trainable", "2B"], "--trainable 2,000,000,000 must be between 1 and"),
     (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
     (["plan", "--params", "1B", "--out", "/nonexistent/plan.json"], "does not exist; create it first"),
 ])

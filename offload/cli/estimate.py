@@ -6,8 +6,9 @@ for every stage x optimizer tier x weight tier this engine supports, the bytes
 per GPU (per rank), CPU and NVMe (per node), with the engine's buffers sized
 from --config, whether that fits the given memory, and the bytes moved per
 step between host and GPU and to the disk. Activations and the framework's
-own memory are not included: leave headroom for them. Every parameter is
-counted as trained: a LoRA's frozen base needs no gradient or optimizer state.
+own memory are not included: leave headroom for them. With --trainable (a
+LoRA's adapters), only that many parameters have a gradient and optimizer
+state; the weights are the whole model's.
 """
 
 from __future__ import annotations
@@ -49,12 +50,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--params", type=count, help="parameter count, e.g. 13B")
     model.add_argument("--model-config", help="GPT model-config JSON (n_layer, n_head, n_embd, block_size, vocab_size), "
                        "or a bundled size name")
+    p.add_argument("--trainable", type=count, default=None,
+                   help="parameters trained, of the model's (a LoRA's adapters, e.g. 40M): the rest are frozen, "
+                        "with weights but no gradient or optimizer state (default: all)")
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
-    if args.params is not None:
-        return ModelShape.from_count(args.params)
-    return ModelShape.from_config(gpt_config(args.model_config))
+    shape = ModelShape.from_count(args.params) if args.params is not None else \
+        ModelShape.from_config(gpt_config(args.model_config))
+    if args.trainable is not None and not 0 < args.trainable <= shape.params:
+        raise UsageError(f"--trainable {args.trainable:,} must be between 1 and the model's {shape.params:,} parameters")
+    return shape.with_trainable(args.trainable)
 
 
 def load_config(path: str | None) -> Config:
@@ -73,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype)
         check_fits(e, args.gpu_mem, args.cpu_mem, args.nvme_free)
         rows.append(e)
-    paper = zero_model_states(shape.params, args.gpus)
+    paper = zero_model_states(shape.params, args.gpus, trained=shape.trained)
     if args.json:
-        print(json.dumps({"params": shape.params, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
+        print(json.dumps({"params": shape.params, "trainable": shape.trained, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
                           "compute_dtype": config.compute_dtype_name, "state_dtype": state_dtype,
                           "master_dtype": master_dtype,
                           "optimizer_bytes_per_param": {f"{master} master, {moments} moments":
@@ -93,7 +99,8 @@ def gb(n: float) -> str:
 
 
 def report(shape: ModelShape, args, config: Config, state_format: str, paper: dict, rows: list) -> str:
-    lines = [f"offload estimate: {shape.params / 1e9:.3g}B parameters ({shape.source}), {args.gpus} GPU(s) on "
+    trained = "" if shape.trainable is None else f", {shape.trained / 1e6:.4g}M of them trained"
+    lines = [f"offload estimate: {shape.params / 1e9:.3g}B parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
              f"accumulation {config.gradient_accumulation_steps}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "

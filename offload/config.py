@@ -39,15 +39,18 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ConfigError(f"config {os.fspath(path)!r} is not valid JSON: {exc}") from None
 
 
-def _with_nvme_path(data: Any, path: str) -> Any:
-    """A config's JSON with ``path`` as the ``nvme_path`` of each offload section
-    it has (a section not given is off, so it needs none)."""
+def nvme_sections(data: Any) -> list[tuple[str, dict]]:
+    """(key, section) of a config JSON's offload sections whose device is nvme:
+    those an ``nvme_path`` is for (elsewhere one is named as having no effect)."""
     zero = data.get("zero_optimization") if isinstance(data, dict) else None
-    if not isinstance(zero, dict):
-        return data
-    sections = {key: {**zero[key], "nvme_path": path} for key in ("offload_optimizer", "offload_param")
-                if isinstance(zero.get(key), dict)}
-    return {**data, "zero_optimization": {**zero, **sections}}
+    sections = [(key, zero.get(key)) for key in ("offload_optimizer", "offload_param")] if isinstance(zero, dict) else []
+    return [(key, s) for key, s in sections if isinstance(s, dict) and s.get("device") == "nvme"]
+
+
+def _with_nvme_path(data: Any, path: str) -> Any:
+    """A config's JSON, unchanged, with ``path`` as the ``nvme_path`` of each nvme section."""
+    sections = {key: {**section, "nvme_path": path} for key, section in nvme_sections(data)}
+    return {**data, "zero_optimization": {**data["zero_optimization"], **sections}} if sections else data
 
 
 def _f(default, doc: str, **bounds):

@@ -44,7 +44,7 @@ import offload
 from offload.cli.args import gpt_config, model_name, positive_int, seed
 from offload.cli.interrupt import Sigint
 from offload.cli.progress import Progress
-from offload.config import read_json
+from offload.config import nvme_sections, read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES, GPTConfig
@@ -202,23 +202,17 @@ def _raw_config(args: argparse.Namespace) -> dict:
         raw["bf16"] = {"enabled": torch.cuda.is_available()}
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         raise UsageError(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")
-    for key, section in _nvme_sections(raw):
+    for key, section in nvme_sections(raw):
         if args.nvme_path is None and section.get("nvme_path") and not os.path.isdir(section["nvme_path"]):
             raise UsageError(f"zero_optimization.{key}.nvme_path {section['nvme_path']!r} is not a directory; "
                             f"create it, edit the config, or pass --nvme-path DIR")
     return raw
 
 
-def _nvme_sections(raw: dict) -> list[tuple[str, dict]]:
-    zero = raw.get("zero_optimization", {})
-    sections = [(key, zero.get(key)) for key in ("offload_optimizer", "offload_param")] if isinstance(zero, dict) else []
-    return [(key, s) for key, s in sections if isinstance(s, dict) and s.get("device") == "nvme"]
-
-
 def _place_swap_files(args: argparse.Namespace, raw: dict, made: _Made) -> str | None:
     """Fills in the NVMe sections' paths: --nvme-path, else the config's, else a
     temporary directory made now; the directory the swap files go under, if any."""
-    sections = [section for _, section in _nvme_sections(raw)]
+    sections = [section for _, section in nvme_sections(raw)]
     if args.nvme_path is not None:
         for section in sections:
             section["nvme_path"] = args.nvme_path

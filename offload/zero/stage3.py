@@ -475,10 +475,11 @@ class PartitionedWeights:
         m.state = ParamState.PARTITIONED
         if changed:
             raise UsageError(f"{m.slot.name} was changed in place while gathered (RWKV's rescale_every does this in "
-                             "eval mode, nn.Embedding's max_norm renormalises rows, a no_grad fill_ or mul_ does): offload stage 3 keeps each rank's part "
-                             "and the master weights, not the gathered copy, so the change would be lost; turn the "
-                             "model's in-place rescaling off (RWKV: rescale_every=0), or change weights with "
-                             "offload.load_weights before the first step (Note [in-place changes])")
+                             "eval mode, nn.Embedding's max_norm renormalises rows, a no_grad fill_ or mul_ does): "
+                             "offload stage 3 keeps each rank's part and the master weights, not the gathered copy, "
+                             "so the change would be lost; turn the model's in-place rescaling off (RWKV: "
+                             "rescale_every=0), or change weights with offload.load_weights before the first step "
+                             "(Note [in-place changes])")
 
     def _release(self, m: _Managed) -> None:
         if m.refs == 0 and not m.persistent and m.state is ParamState.GATHERED:

@@ -46,8 +46,9 @@ it, in forward and backward, as DeepSpeed's external parameters are; so does
 a parameter a module returns as it is or as a view (Perceiver's latents
 ``expand``ed), for the module that called it. The
 order recorded in that pass no longer holds, so the next pass records it
-again. Read outside any forward (``model.wte.weight.shape``) a parameter is
-left as it is: its shape is right, its values are not there.
+again. Read outside any forward, a parameter has its shape
+(``model.wte.weight.shape``) and no values (Note [a parameter without values]
+in ``partitioned_param.py``).
 
 Note [in-place changes]
 A gathered parameter is a copy: releasing it drops its values, and each step
@@ -66,8 +67,9 @@ Outside forward, what copies a parameter's values goes through the model:
     into host memory, in the compute dtype the model runs in; ``Engine.state_dict`` gives the
     fp32 master weights. With ``keep_vars`` it holds the parameters themselves.
   - ``copy.deepcopy`` and pickling (``torch.save(model)``) of a partitioned
-    parameter are refused by name: this rank holds only its part, and a copy
-    of the engine's hooks would be a second engine. Peers refuse too (TRL's
+    parameter are refused by name (by its guard class: Note [a parameter
+    without values]): this rank holds only its part, and a copy of the
+    engine's hooks would be a second engine. Peers refuse too (TRL's
     ``create_reference_model`` under DeepSpeed ZeRO-3).
 
 Note [stage 3 limits]
@@ -121,6 +123,7 @@ from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
+from offload.zero.partitioned_param import COPY_INSTEAD, hide, reveal
 from offload.zero.transfer import Pending, Transfer
 
 
@@ -181,10 +184,6 @@ def _say_where_weights_live() -> None:
         warnings.warn("offload stage 3: offload_param.device is none, so each rank's partition of the weights stays "
                       "on the accelerator; set zero_optimization.offload_param.device to cpu or nvme to move it off",
                       UserWarning, stacklevel=5)
-
-
-_COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and load model.state_dict() or "
-                 "engine.state_dict() into it (every rank calls either)")
 
 
 def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
@@ -353,10 +352,6 @@ class PartitionedWeights:
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
-            # Looked up on the instance first (copy, pickle): Note [the model's own copies].
-            m.slot.param.__deepcopy__ = functools.partial(self._copy, m, "copy.deepcopy", torch.nn.Parameter.__deepcopy__)
-            m.slot.param.__reduce_ex__ = functools.partial(self._copy, m, "pickling (torch.save of the model)",
-                                                           torch.nn.Parameter.__reduce_ex__)
 
     # -- the model's own copies (Note [the model's own copies]) ----------------------------
 
@@ -368,16 +363,10 @@ class PartitionedWeights:
                     m.state is ParamState.PARTITIONED:
                 state_dict[key] = self.whole(param).cpu()  # one parameter on the accelerator at a time
 
-    def _copy(self, m: _Managed, what: str, default: Callable, arg):
-        if m.state is ParamState.GATHERED:
-            return default(m.slot.param, arg)
-        raise UsageError(f"{what} of {m.slot.name}: offload stage 3 holds it partitioned, this rank only its part, "
-                         f"so there is nothing whole to copy; {_COPY_INSTEAD}")
-
     def __reduce_ex__(self, protocol):
         """Reached through the hooks when every parameter met was gathered."""
         raise UsageError(f"copying or pickling a model that an offload stage 3 engine holds would copy the engine "
-                         f"with its hooks; {_COPY_INSTEAD}")
+                         f"with its hooks; {COPY_INSTEAD}")
 
     # -- tiers -----------------------------------------------------------------------
 
@@ -425,6 +414,7 @@ class PartitionedWeights:
         if m.state is ParamState.GATHERED:
             return
         p, numel = m.slot.param, m.slot.numel
+        reveal(p)
         p.data.untyped_storage().resize_(numel * p.element_size())
         whole = self.layout.world == 1  # this rank's part is the whole parameter (and padding)
         copied = False
@@ -472,6 +462,7 @@ class PartitionedWeights:
         else:
             p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
         p.data.untyped_storage().resize_(0)
+        hide(p, m.slot.name)
         m.state = ParamState.PARTITIONED
         if changed:
             raise UsageError(f"{m.slot.name} was changed in place while gathered (RWKV's rescale_every does this in "
@@ -784,8 +775,8 @@ class PartitionedWeights:
             module.__dict__["_parameters"] = dict(module._parameters)
         self._reporting = []
         for m in self._managed.values():
-            vars(m.slot.param).pop("__deepcopy__", None)
-            vars(m.slot.param).pop("__reduce_ex__", None)
+            if m.slot.param.untyped_storage().nbytes():  # the engine gave it its values back
+                reveal(m.slot.param)
         self._land_uploads()
         if self.store is not None:
             self.store.close()

@@ -1,0 +1,117 @@
+"""What a stage 3 parameter is between its module's forwards: a shape without values.
+
+Note [a parameter without values]
+Released, a partitioned parameter keeps its shape, dtype and device (code
+reads them: ``model.dtype``, ``model.device``, vocabulary sizes), but its
+storage is empty, this rank's part being in its tier. Anything that read its
+values then (a ``p.norm()`` to log, ``model.to(...)``, ``print(p)``) would
+read past an empty storage and take the process down. So while released it
+belongs to a guard subclass of its own class (``hide``), whose
+``__torch_function__`` lets through what reads no values (the metadata
+below, ``.data`` and ``detach``, which stay guarded, and gradient hooks) and
+refuses everything else with an error naming it. Gathering gives it its
+class back (``reveal``), so a forward pays nothing. Copies are refused by
+name too (Note [the model's own copies] in ``stage3.py``). Code that turns
+torch functions off (``torch._C.DisableTorchFunction``) gets past the guard.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils._pytree as pytree
+
+from offload.errors import UsageError
+
+COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and load model.state_dict() or "
+                "engine.state_dict() into it (every rank calls either)")
+
+# Attributes read or set without reading values; views (``T``, ``mT``, ``real``...) are not among them.
+_ATTRIBUTES = frozenset({
+    "shape", "dtype", "device", "layout", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim", "nbytes",
+    "itemsize", "names", "retains_grad", "output_nr", "_version", "_base", "is_cuda", "is_cpu", "is_meta",
+    "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+})
+_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "get_device", "untyped_storage", "data_ptr", "__len__",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+})
+_GUARDED_RESULT = frozenset({"data", "detach"})  # a tensor sharing the empty storage, guarded in turn
+
+_names: dict[int, str] = {}  # id of each hidden parameter -> its name, for messages
+
+
+def _name_of(tensor) -> str:
+    """A hidden parameter's name; a guarded tensor (``.data``, ``detach``) carries its parameter's."""
+    return _names.get(id(tensor)) or vars(tensor).get("parameter_name", "a parameter")
+
+
+def _what(func) -> tuple[str, str]:
+    """(name, kind) of a function ``__torch_function__`` is given: kind is
+    "get", "set" or "call"."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        return owner.__name__, "get" if func.__name__ == "__get__" else "set"
+    return getattr(func, "__name__", repr(func)), "call"
+
+
+class _Hidden:
+    """Mixed into a tensor class while its values are elsewhere (Note [a parameter without values])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name, kind = _what(func)
+        if not (kind == "set" or (kind == "get" and name in _ATTRIBUTES) or name in _METHODS
+                or name in _GUARDED_RESULT):
+            holder = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Hidden))
+            raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
+                             f"outside a forward (this rank holds only its part), so it has no values to "
+                             f"{name.strip('_')}; read weights through model.state_dict() or engine.state_dict() "
+                             "(every rank calls either), change them with offload.load_weights before the first "
+                             "step, or do it inside a forward (Note [a parameter without values])")
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        if name in _GUARDED_RESULT and kind != "set":
+            result = _guarded(result, _name_of(args[0]))
+        return result
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"{type(self).__mro__[2].__name__}(partitioned by offload stage 3, no values here: "
+                f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device})")
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy("copy.deepcopy")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy("pickling (torch.save of the model)")
+
+    def _refuse_copy(self, what: str):
+        raise UsageError(f"{what} of {_name_of(self)}: offload stage 3 holds it partitioned, "
+                         f"this rank only its part, so there is nothing whole to copy; {COPY_INSTEAD}")
+
+
+@functools.cache
+def _hidden_class(cls: type) -> type:
+    return type(f"Partitioned{cls.__name__}", (_Hidden, cls), {})
+
+
+def _guarded(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    hidden = tensor.as_subclass(_hidden_class(torch.Tensor))
+    vars(hidden)["parameter_name"] = name
+    return hidden
+
+
+def hide(param: torch.nn.Parameter, name: str) -> None:
+    """``param``'s storage is empty now: refuse what would read it."""
+    if not isinstance(param, _Hidden):
+        param.__class__ = _hidden_class(type(param))
+    _names[id(param)] = name
+
+
+def reveal(param: torch.nn.Parameter) -> None:
+    """``param`` holds its values (or the engine lets it go): its own class again."""
+    if isinstance(param, _Hidden):
+        param.__class__ = type(param).__mro__[2]
+        del _names[id(param)]

@@ -55,6 +55,7 @@ $(HF_STAMP): $(STAMP)
 # landed fails them. There a bf16 master is the weights' staging copy, not the
 # flat buffer (Note [master in the weights]), so its tests run there too.
 SIMULATED_TESTS = tests/zero/test_equivalence.py tests/zero/test_stage3.py tests/zero/test_overlap.py \
+	tests/zero/test_in_place_changes.py \
 	tests/zero/test_state_dtype.py::test_resuming_is_bitwise_and_checkpoints_move_between_formats \
 	tests/zero/test_state_dtype.py::test_a_bf16_master_trains_like_adamw_within_bf16_noise
 test: install $(HF_STAMP)

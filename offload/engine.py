@@ -206,6 +206,8 @@ class Engine:
         loss = _loss_of(loss)
         last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
         self._next_ends = None
+        if last:
+            self._keep_changes_in_place()
         if last and not self.update.in_flight:
             self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
         (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
@@ -239,6 +241,7 @@ class Engine:
         if not self._window_ended:
             return
         self._window_ended, self.pending_micro_steps = False, 0
+        self._keep_changes_in_place()
         self.times = PhaseTimes()
         start = time.perf_counter()
         self.reducer.at_boundary()
@@ -255,6 +258,23 @@ class Engine:
         self.global_steps += 1
         if self.schedule is not None:
             self.optimizer.lr = self.schedule.rate(self.applied_steps)
+
+    def _keep_changes_in_place(self) -> None:
+        """Before the optimizer reads the master weights for a step (an overlapped
+        step's speculation, undone here if it began, or the step itself),
+        parameters changed in place give it their new values (Note [in-place
+        changes between steps])."""
+        changed = self.weights.changed_in_place()
+        if not changed:
+            return
+        if self.update.in_flight:
+            raise UsageError(f"{_some_names(changed)} changed in place after a step, while the delayed update "
+                             "(offload_optimizer.delayed_update) computes the next weights from the master ones; "
+                             "the change would be overwritten: make it before offload.initialize, load weights with "
+                             "offload.load_weights, or turn delayed_update off")
+        self.update.wait(self.times)
+        for lo, hi, values in self.weights.take_changes(changed):
+            self.optimizer.take_weights(lo, hi, values)
 
     def _gradient_multiplier(self) -> float | None:
         """What the optimizer multiplies the owned gradient by: averaging over
@@ -521,6 +541,11 @@ def _loss_of(output) -> torch.Tensor:
                          f"model returns when given labels), a dict with 'loss', or a tuple starting with it; "
                          f"got {type(output).__name__}")
     return loss
+
+
+def _some_names(slots: list[Slot]) -> str:
+    names = [slot.name for slot in slots]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _refuse_load_state_dict(module, state_dict, prefix, *rest) -> None:

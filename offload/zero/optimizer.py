@@ -75,6 +75,12 @@ class ShardOptimizer:
         """Takes effect from the next step; the Adam state is unaffected."""
         self.hyper = dataclasses.replace(self.hyper, lr=float(value))  # validates
 
+    @staticmethod
+    def _take(master: torch.Tensor, values: torch.Tensor) -> None:
+        """Each element of ``master`` that does not round to the model's value
+        in ``values`` (compute dtype) takes that value; the rest keep theirs."""
+        master.copy_(torch.where(master.to(values.dtype) == values, master, values.to(master.dtype)))
+
     def _hand_over(self, weights: Weights, lo: int, hi: int, write: Callable[[torch.Tensor], None],
                    current: bool = False) -> None:
         """``write(target)`` fills sub-group [lo, hi)'s new weights where the weights
@@ -89,6 +95,7 @@ class ShardOptimizer:
     #   prefetch()                                     the next step's first reads, during backward
     #   step(grad, grad_scale, weights, hyper=None)    one Adam step of the whole shard
     #   flush()                                        wait for write-backs; raise their failures
+    #   take_weights(lo, hi, values)                   the model's own change (Note [in-place changes between steps])
     #   read_master_ranges(ranges, weights) -> fp32 host copies
     #   state_chunks(weights) -> (lo, hi, [3, n] state)  for checkpoints
     #   load_state(fill, step_count, weights)          from checkpoints
@@ -125,6 +132,9 @@ class DeviceOptimizer(ShardOptimizer):
 
     def finish_master(self) -> None:
         pass
+
+    def take_weights(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        self._take(self._master[lo:hi], self.transfer.device_copy(values))
 
     def prefetch(self) -> None:
         pass
@@ -284,6 +294,16 @@ class StoreOptimizer(ShardOptimizer):
         for i in range(len(self.groups)):
             if self._key(i) not in self.store:
                 self._create(i)
+                self.store.release([self._key(i)], dirty=True)
+
+    def take_weights(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Owned weights [lo, hi) were changed to ``values`` in the model (Note
+        [in-place changes between steps]); not for a master in the weights."""
+        for i, g_lo, a, b in self.groups.meeting(lo, hi):
+            (buffer,) = self.store.get([self._key(i)])
+            try:
+                self._take(self._views(i, buffer)[0][a - g_lo : b - g_lo], values[a - lo : b - lo])
+            finally:
                 self.store.release([self._key(i)], dirty=True)
 
     def prefetch(self, groups: list[int] | None = None) -> None:

@@ -737,6 +737,15 @@ class PartitionedWeights:
             if m.persistent:
                 self._gather(m, record=False)
 
+    def changed_in_place(self) -> list[Slot]:
+        """None to carry over: a gathered copy changed in place is an error at its
+        release (Note [in-place changes]), a released parameter has no values to
+        change (Note [a parameter without values])."""
+        return []
+
+    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+        return []
+
     # -- reporting ---------------------------------------------------------------------
 
     def states(self) -> dict[str, ParamState]:

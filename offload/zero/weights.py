@@ -45,6 +45,23 @@ bytes per element of host memory. An overlapped step (Note [overlapped step]) st
 read on the main thread, and hands it over only if kept. Saved against a
 separate master: 2 bytes per element of host memory (optimizer on cpu), or
 of disk read and written each step (on nvme).
+
+Note [in-place changes between steps]
+At stages 1 and 2 the model's parameters are the flat buffer, and each step
+writes it anew from the master weights. A change the user makes in place
+between steps (a ``no_grad`` ``clamp_`` or ``mul_``, an ``nn.init`` call
+after ``initialize``) stays in torch's AdamW; here the next step would undo it
+without a word. So each publish notes every parameter's version counter, and
+before the optimizer next reads the master (the backward that ends a window,
+then ``step()``), the owned elements of a parameter whose counter moved give
+the master the model's value wherever the master, rounded to the compute
+dtype, differs from it; the others keep their fp32 master, so a change undone
+before the step (RWKV's rescaling in eval mode) costs no precision. The
+moments stay, as AdamW's do. An overlapped step's speculation is undone
+first; a delayed update in flight computes from the master meanwhile, so a
+change then is an error naming it. A change through ``.data`` moves no
+counter (torch gives ``.data`` a counter of its own) and is not seen. At
+stage 3: Note [in-place changes].
 """
 
 from __future__ import annotations
@@ -57,7 +74,7 @@ import torch
 from offload.errors import UsageError
 from offload.report import DiskTraffic, MemoryReport
 from offload.zero import comm
-from offload.zero.layout import Bucket, FlatLayout
+from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.transfer import Pending, Transfer
 
 
@@ -86,6 +103,16 @@ class Weights(Protocol):
 
     def end_publish(self) -> None:
         """Every sub-group was accepted: the model runs with the new weights from now on."""
+
+    def changed_in_place(self) -> list[Slot]:
+        """Trained parameters changed in place since the last publish, whose
+        change the next publish would undo (Note [in-place changes between steps])."""
+
+    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+        """The changes of ``slots`` stand from now on: with the master in the
+        weights they are in it now; otherwise each owned range [lo, hi) of them
+        with the model's values there (host memory, compute dtype), for the
+        optimizer's master."""
 
     def memory(self, report: MemoryReport) -> None: ...
 
@@ -131,6 +158,7 @@ class ReplicatedWeights:
                 self.staging[lo:hi].copy_(self.transfer.host_copy(self._flat_part(bucket, lo, hi)))
         self._staged: tuple[int, int] | None = None  # direct: the range in staging, not yet copied in
         self._uploads: list[Pending] = []  # staging -> flat copies of this publish
+        self._versions = self._version_counters()  # Note [in-place changes between steps]
 
     def begin_pass(self) -> None:
         """Every parameter must still view the flat buffer: one moved or replaced
@@ -210,6 +238,28 @@ class ReplicatedWeights:
         if self.layout.world > 1:
             for bucket in self.layout.buckets:
                 comm.all_gather(self.flat[bucket.flat_range()], self.flat[bucket.part_range(self.layout.rank)].clone())
+        self._versions = self._version_counters()
+
+    def _version_counters(self) -> list[int]:
+        return [slot.param._version for slot in self.layout.slots]
+
+    def changed_in_place(self) -> list[Slot]:
+        return [slot for slot, was in zip(self.layout.slots, self._versions) if slot.param._version != was]
+
+    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+        changes = []
+        for piece in (p for slot in slots for p in self.layout.pieces_of(slot) if p.rank == self.layout.rank):
+            lo, hi = piece.owned_lo, piece.owned_hi
+            if self.holds_master and self.direct:
+                continue  # the flat buffer is the master: the change is in it already
+            values = self.transfer.host_copy(torch.cat([self._flat_part(*part)
+                                                        for part in self.layout.buckets_meeting(lo, hi)]))
+            if self.holds_master:
+                self.staging[lo:hi].copy_(values)
+            else:
+                changes.append((lo, hi, values))
+        self._versions = self._version_counters()
+        return changes
 
     def memory(self, report: MemoryReport) -> None:
         flat_name, staging_name = "weights", "weights (staging copy)"

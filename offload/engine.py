@@ -18,6 +18,7 @@ interface ``checkpoint.save_load.Checkpointable``; reports are report.py's.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -151,6 +152,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
         self._closed = False
+        self._holding = 0  # gathered blocks open (Engine.gathered)
         self._guards = [m.register_load_state_dict_pre_hook(_refuse_load_state_dict) for m in model.modules()]
 
     def _give_master(self, bucket: Bucket) -> None:
@@ -240,6 +242,9 @@ class Engine:
         """The optimizer step, at gradient-accumulation boundaries only."""
         if not self._window_ended:
             return
+        if self._holding:
+            raise UsageError("engine.step() inside `with engine.gathered(...)`: the step publishes new weights, "
+                             "which the parameters held whole would not show; step after the block")
         self._window_ended, self.pending_micro_steps = False, 0
         self._keep_changes_in_place()
         self.times = PhaseTimes()
@@ -258,6 +263,38 @@ class Engine:
         self.global_steps += 1
         if self.schedule is not None:
             self.optimizer.lr = self.schedule.rate(self.applied_steps)
+
+    @contextlib.contextmanager
+    def gathered(self, params, modifier_rank: int | None = None):
+        """``params`` (a parameter or several) whole on every rank for the block,
+        as DeepSpeed's ``zero.GatheredParameters``: a collective, every rank
+        entering with the same parameters. With ``modifier_rank``, changes that
+        rank makes to them stand after the block (broadcast, then each rank's
+        part and master weights take them, the moments staying, as in
+        AdamW); without, a change made in place at stage 3 is an error naming
+        it (Note [in-place changes]); at stages 1-2 it stands anyway (Note
+        [in-place changes between steps])."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        keep = modifier_rank is not None
+        if keep and self.update.in_flight:
+            raise UsageError(f"engine.gathered(..., modifier_rank={modifier_rank}) while the delayed update "
+                             "(offload_optimizer.delayed_update) computes the next weights from the master ones; "
+                             "call engine.synchronize() first, or change weights before offload.initialize")
+        self.update.wait(self.times)
+        handle = self.weights.hold(params)
+        self._holding += 1
+        try:
+            yield params
+        except BaseException:
+            keep = False
+            raise
+        finally:
+            self._holding -= 1
+            if keep and self.world > 1:
+                for p in params:
+                    comm.broadcast(p.data, modifier_rank)
+            for lo, hi, values in self.weights.let_go(handle, keep):
+                self.optimizer.take_weights(lo, hi, values)
 
     def _keep_changes_in_place(self) -> None:
         """Before the optimizer reads the master weights for a step (an overlapped

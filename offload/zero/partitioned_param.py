@@ -68,9 +68,10 @@ class _Hidden:
             holder = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Hidden))
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
                              f"outside a forward (this rank holds only its part), so it has no values to "
-                             f"{name.strip('_')}; read weights through model.state_dict() or engine.state_dict() "
-                             "(every rank calls either), change them with offload.load_weights before the first "
-                             "step, or do it inside a forward (Note [a parameter without values])")
+                             f"{name.strip('_')}; read or change it inside `with engine.gathered(params)` (a "
+                             "collective, as DeepSpeed's GatheredParameters; modifier_rank= keeps changes), or read "
+                             "weights through model.state_dict() or engine.state_dict() (Note [a parameter without "
+                             "values])")
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **(kwargs or {}))
         if name in _GUARDED_RESULT and kind != "set":

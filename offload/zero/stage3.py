@@ -143,11 +143,12 @@ class _Managed:
     state: ParamState = ParamState.PARTITIONED
     forward_refs: int = 0
     backward_refs: int = 0
+    held: int = 0  # gathered for the user (``hold``), however forwards use it meanwhile
     version: int = 0  # the parameter's version counter when gathered (Note [in-place changes])
 
     @property
     def refs(self) -> int:
-        return self.forward_refs + self.backward_refs
+        return self.forward_refs + self.backward_refs + self.held
 
 
 class _ReadReporting(dict):
@@ -218,6 +219,7 @@ class PartitionedWeights:
         pin_memory), the ``publish_tier`` of the memory report; ``holds_master``:
         the parts are the optimizer's master (Note [master in the weights])."""
         self.partition_name = "weights (partition: master)" if holds_master else "weights (partition)"
+        self.holds_master = holds_master
         zero = config.zero_optimization
         param_cfg = zero.offload_param
         self.layout, self.device, self.dtype = layout, device, dtype
@@ -469,8 +471,8 @@ class PartitionedWeights:
                              "eval mode, nn.Embedding's max_norm renormalises rows, a no_grad fill_ or mul_ does): "
                              "offload stage 3 keeps each rank's part and the master weights, not the gathered copy, "
                              "so the change would be lost; turn the model's in-place rescaling off (RWKV: "
-                             "rescale_every=0), or change weights with offload.load_weights before the first step "
-                             "(Note [in-place changes])")
+                             "rescale_every=0), change weights with offload.load_weights before the first step, or "
+                             "inside `with engine.gathered(params, modifier_rank=0)` (Note [in-place changes])")
 
     def _release(self, m: _Managed) -> None:
         if m.refs == 0 and not m.persistent and m.state is ParamState.GATHERED:
@@ -736,6 +738,38 @@ class PartitionedWeights:
         for m in self._managed.values():
             if m.persistent:
                 self._gather(m, record=False)
+
+    # -- gathered for the user (Engine.gathered) ----------------------------------------------
+
+    def hold(self, params: list[torch.Tensor]) -> list[_Managed]:
+        """Gather ``params`` (those partitioned here) until ``let_go``: a
+        collective, every rank holding the same ones in the same order."""
+        held = [self._managed[p] for p in params if p in self._managed]
+        for m in held:
+            m.held += 1
+            self._gather(m, record=False)
+        return held
+
+    def let_go(self, held: list[_Managed], keep: bool) -> list[tuple[int, int, torch.Tensor]]:
+        """Release what ``hold`` gathered. ``keep``: changes made to it stand: each
+        part goes to its tier as the parameter is now, and for the trained ones
+        without the master in the weights, their owned ranges with their new
+        values, for the optimizer's master (``Weights.take_changes``)."""
+        changes = []
+        for m in held:
+            m.held -= 1
+            p = m.slot.param
+            if keep:
+                self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
+                self._land_uploads()
+                m.version = p._version
+                if m.layout is self.layout and not self.holds_master:
+                    flat = p.detach().reshape(-1)
+                    changes += [(piece.owned_lo, piece.owned_hi,
+                                 self.transfer.host_copy(flat[piece.param_lo : piece.param_hi]))
+                                for piece in m.layout.pieces_of(m.slot) if piece.rank == m.layout.rank]
+            self._release(m)
+        return changes
 
     def changed_in_place(self) -> list[Slot]:
         """None to carry over: a gathered copy changed in place is an error at its

@@ -114,6 +114,12 @@ class Weights(Protocol):
         with the model's values there (host memory, compute dtype), for the
         optimizer's master."""
 
+    def hold(self, params: list[torch.Tensor]):
+        """``params`` whole until ``let_go(handle, keep)``, which returns what
+        ``take_changes`` does for them if ``keep`` (Engine.gathered)."""
+
+    def let_go(self, handle, keep: bool) -> list[tuple[int, int, torch.Tensor]]: ...
+
     def memory(self, report: MemoryReport) -> None: ...
 
     def traffic(self) -> DiskTraffic: ...
@@ -158,7 +164,7 @@ class ReplicatedWeights:
                 self.staging[lo:hi].copy_(self.transfer.host_copy(self._flat_part(bucket, lo, hi)))
         self._staged: tuple[int, int] | None = None  # direct: the range in staging, not yet copied in
         self._uploads: list[Pending] = []  # staging -> flat copies of this publish
-        self._versions = self._version_counters()  # Note [in-place changes between steps]
+        self._versions = self._version_counters()  # by slot: Note [in-place changes between steps]
 
     def begin_pass(self) -> None:
         """Every parameter must still view the flat buffer: one moved or replaced
@@ -240,11 +246,11 @@ class ReplicatedWeights:
                 comm.all_gather(self.flat[bucket.flat_range()], self.flat[bucket.part_range(self.layout.rank)].clone())
         self._versions = self._version_counters()
 
-    def _version_counters(self) -> list[int]:
-        return [slot.param._version for slot in self.layout.slots]
+    def _version_counters(self) -> dict[int, int]:
+        return {id(slot): slot.param._version for slot in self.layout.slots}
 
     def changed_in_place(self) -> list[Slot]:
-        return [slot for slot, was in zip(self.layout.slots, self._versions) if slot.param._version != was]
+        return [slot for slot in self.layout.slots if slot.param._version != self._versions[id(slot)]]
 
     def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
         changes = []
@@ -258,8 +264,16 @@ class ReplicatedWeights:
                 self.staging[lo:hi].copy_(values)
             else:
                 changes.append((lo, hi, values))
-        self._versions = self._version_counters()
+        self._versions.update((id(slot), slot.param._version) for slot in slots)
         return changes
+
+    def hold(self, params: list[torch.Tensor]) -> list[Slot]:
+        """Every rank holds every parameter whole: nothing to gather."""
+        wanted = set(params)
+        return [slot for slot in self.layout.slots if slot.param in wanted]
+
+    def let_go(self, handle: list[Slot], keep: bool) -> list[tuple[int, int, torch.Tensor]]:
+        return self.take_changes(handle) if keep else []
 
     def memory(self, report: MemoryReport) -> None:
         flat_name, staging_name = "weights", "weights (staging copy)"

@@ -1,9 +1,14 @@
-"""Changes made in place to the model's parameters between steps at stages 1
-and 2 (Note [in-place changes between steps]): they stand, as with torch's
-AdamW, before the forward or between backward and step, with the master on
-the accelerator, in host memory or on NVMe, with the overlapped step, at
-world sizes 1 and 2; with a bf16 master in the weights too; under a delayed
-update in flight they are an error naming the parameter."""
+"""Changes made to the model's parameters between steps stand, as with
+torch's AdamW: in place at stages 1 and 2 (Note [in-place changes between
+steps]), before the forward or between backward and step, with the master on
+the accelerator, in host memory or on NVMe, with the overlapped step, with a
+bf16 master in the weights; inside ``engine.gathered(..., modifier_rank=r)``
+at every stage and tier, rank r's changes; at world sizes 1 and 2. A change
+is an error naming the parameter under a delayed update in flight, and at
+stage 3 outside ``gathered`` with a modifier rank."""
+
+import contextlib
+import functools
 
 import pytest
 import torch
@@ -19,10 +24,10 @@ pytestmark = pytest.mark.skipif(not _native.status().available, reason="native l
 STEPS, TOLERANCE = 5, 1e-5
 
 
-def _change_before_forward(model: torch.nn.Module, step: int) -> None:
+def _change_before_forward(model: torch.nn.Module, step: int, factor: float = 0.5) -> None:
     with torch.no_grad():
         if step == 1:
-            model.blocks[1][0].weight.mul_(0.5)
+            model.blocks[1][0].weight.mul_(factor)
             model.head.weight.mul_(0.9)  # tied to the embedding
         if step == 2:
             model.blocks[2][0].bias.clamp_(-0.01, 0.01)
@@ -51,18 +56,29 @@ def _reference(cfg: dict, world: int) -> dict:
     return ref.state_dict()
 
 
-def _trained(cfg: dict, rank: int = 0) -> dict:
+def _trained(cfg: dict, rank: int = 0, gathered: bool = False) -> dict:
+    """``gathered``: each change made inside ``engine.gathered`` with modifier
+    rank 0; another rank makes another change, which must not stand."""
     with offload.initialize(make_model(), cfg) as engine:
+        model = engine.module
+        held = contextlib.nullcontext
+        if gathered:
+            held = functools.partial(engine.gathered, list(model.parameters()), modifier_rank=0)
         for step in range(STEPS):
-            _change_before_forward(engine.module, step)
+            with held():
+                _change_before_forward(model, step, 3.0 if gathered and rank else 0.5)
             engine.backward(engine(batch(step, 0, rank)))
-            _change_before_step(engine.module, step)
+            with held():
+                _change_before_step(model, step)
             engine.step()
         return engine.state_dict()
 
 
 def _config(stage: int, device: str, nvme: str, overlap_step: bool = False) -> dict:
-    cfg = config(stage, device, 1, nvme if device == "nvme" else None, offload_optimizer={"overlap_step": overlap_step})
+    """``device``: where the optimizer state lives, at stage 3 the weights' parts too (none: the state on cpu)."""
+    optimizer = "cpu" if stage == 3 and device == "none" else device
+    cfg = config(stage, optimizer, 1, nvme if device == "nvme" else None, param_device=device if stage == 3 else None,
+                 offload_optimizer={"overlap_step": overlap_step})
     if overlap_step:
         cfg["gradient_clipping"] = 1e6  # never binds: the speculated step would stand
     return cfg
@@ -79,16 +95,46 @@ def test_changes_in_place_between_steps_stand_as_with_adamw(tmp_path, stage, dev
     assert _difference(_trained(cfg), _reference(cfg, 1)) < TOLERANCE
 
 
+@pytest.mark.parametrize("stage, device", [(1, "cpu"), (2, "nvme"), (3, "none"), (3, "cpu"), (3, "nvme")])
+def test_changes_made_in_gathered_with_a_modifier_rank_stand_as_with_adamw(tmp_path, stage, device):
+    cfg = _config(stage, device, str(tmp_path))
+    assert _difference(_trained(cfg, gathered=True), _reference(cfg, 1)) < TOLERANCE
+
+
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:
-    each_tier(rank, port, out_dir, ("cpu", "nvme"), lambda tier, nvme: {
-        k: v.tolist() for k, v in _trained(_config(2, tier, nvme), rank).items()})
+    each_tier(rank, port, out_dir, ("2-cpu", "2-nvme", "2-nvme-gathered", "3-cpu-gathered", "3-nvme-gathered"),
+              lambda case, nvme: {k: v.tolist() for k, v in _trained(
+                  _config(int(case[0]), case.split("-")[1], nvme), rank, gathered=case.endswith("gathered")).items()})
 
 
-def test_changes_in_place_with_two_ranks(tmp_path):
+def test_changes_with_two_ranks(tmp_path):
+    """With ``gathered``, rank 1 makes another change than rank 0's, which stands."""
     ref = _reference(_config(2, "cpu", str(tmp_path)), 2)
     for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
-        for tier, state in results.items():
-            assert _difference({k: torch.tensor(v) for k, v in state.items()}, ref) < TOLERANCE, (rank, tier)
+        for case, state in results.items():
+            assert _difference({k: torch.tensor(v) for k, v in state.items()}, ref) < TOLERANCE, (rank, case)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_holds_the_weights_whole_and_refuses_a_step_inside(tmp_path, stage):
+    cfg = _config(stage, "cpu", str(tmp_path))
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with offload.initialize(make_model(), cfg) as engine:
+        w = engine.module.blocks[1][0].weight
+        engine.backward(engine(batch(0, 0, 0)))
+        with engine.gathered(w), pytest.raises(UsageError, match="step after the block"):
+            engine.step()
+        engine.step()
+        with engine.gathered([w, engine.module.norm.weight]):
+            assert torch.equal(w, engine.state_dict()["blocks.1.0.weight"])
+            engine(batch(1, 0, 0))  # a forward inside the block leaves the weights held
+            assert w.norm() > 0
+        if stage == 3:
+            with pytest.raises(UsageError, match=r"blocks\.1\.0\.weight was changed in place .*modifier_rank"):
+                with engine.gathered(w), torch.no_grad():
+                    w.mul_(2)
+            with pytest.raises(UsageError, match=r"^blocks\.1\.0\.weight: offload stage 3 keeps it partitioned"):
+                w.norm()
 
 
 @pytest.mark.parametrize("master", ["fp32", "bf16 in the weights"])

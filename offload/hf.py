@@ -348,6 +348,14 @@ class OffloadTrainer(transformers.Trainer):
         self.engine.backward(loss, scale_wrt_gas=False)
         return loss.detach()
 
+    def _prepare_input(self, data):
+        """Floating inputs (pixels, audio) in the compute dtype, as the Trainer
+        casts them under DeepSpeed; token ids stay integers."""
+        data = super()._prepare_input(data)
+        if isinstance(data, torch.Tensor) and torch.is_floating_point(data):
+            return data.to(self.engine.dtype)
+        return data
+
     def _clip_grad_norm(self, model):
         return None  # the engine clips, at its step (gradient_clipping)
 

@@ -283,6 +283,31 @@ def test_a_checkpoint_without_an_engine_checkpoint_is_refused(tmp_path):
     assert plain.state.global_step == run.STEPS
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_floating_inputs_reach_a_bf16_model_in_its_dtype(tmp_path, stage):
+    """Pixel values come as float32; under bf16 the Trainer casts floating
+    inputs to DeepSpeed's dtype, OffloadTrainer to the engine's, or the first
+    convolution refuses them. Labels stay integers."""
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16,
+        patch_size=8, num_labels=3))
+    g = torch.Generator().manual_seed(0)
+    data = [{"pixel_values": torch.randn(3, 16, 16, generator=g), "labels": i % 3} for i in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                                          max_steps=4, bf16=True, use_cpu=True, report_to=[], save_strategy="no")
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": zero}
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=config)
+    prepared = trainer._prepare_inputs({"pixel_values": torch.randn(1, 3, 16, 16), "labels": torch.tensor([1])})
+    assert (prepared["pixel_values"].dtype, prepared["labels"].dtype) == (torch.bfloat16, torch.int64)
+    assert math.isfinite(trainer.train().training_loss)
+    assert trainer.engine.global_steps == 4
+    trainer.engine.close()
+
+
 # -- "auto" values -------------------------------------------------------------------------
 
 

@@ -297,17 +297,18 @@ class Engine:
                 self.optimizer.take_weights(lo, hi, values)
 
     def _keep_changes_in_place(self) -> None:
-        """Before the optimizer reads the master weights for a step (an overlapped
-        step's speculation, undone here if it began, or the step itself),
-        parameters changed in place give it their new values (Note [in-place
-        changes between steps])."""
+        """Before the master weights are read (for a step, an overlapped step's
+        speculation, undone here if it began; a state dict, a checkpoint, the
+        model given back), parameters changed in place give them their new
+        values (Note [in-place changes between steps])."""
         changed = self.weights.changed_in_place()
         if not changed:
             return
         if self.update.in_flight:
+            self.weights.take_changes(changed, keep=False)  # said once: the next publish overwrites them
             raise UsageError(f"{_some_names(changed)} changed in place after a step, while the delayed update "
                              "(offload_optimizer.delayed_update) computes the next weights from the master ones; "
-                             "the change would be overwritten: make it before offload.initialize, load weights with "
+                             "the change is overwritten: make it before offload.initialize, load weights with "
                              "offload.load_weights, or turn delayed_update off")
         self.update.wait(self.times)
         for lo, hi, values in self.weights.take_changes(changed):
@@ -353,7 +354,9 @@ class Engine:
 
     def synchronize(self) -> None:
         """Apply a delayed update still in flight and wait for write-backs, so the
-        model holds the latest weights and every failure has been raised."""
+        model holds the latest weights and every failure has been raised; the
+        master weights take changes made in place since the last step first."""
+        self._keep_changes_in_place()
         self.update.finish(self.times)
         self.optimizer.flush()
 
@@ -369,7 +372,9 @@ class Engine:
     def _assemble(self) -> Iterator[tuple[Slot, torch.Tensor]]:
         """Each parameter's fp32 master weights, assembled: every rank
         broadcasts its pieces (a collective: iterate on every rank). A delayed
-        update in flight is waited for, not published (Note [delayed parameter update])."""
+        update in flight is waited for, not published (Note [delayed parameter update]);
+        changes made in place since the last step are taken first."""
+        self._keep_changes_in_place()
         self.update.wait(self.times)
         self.optimizer.flush()
         mine = self.optimizer.read_master_ranges(owned_ranges(self.layout, self.rank), self.weights)

@@ -777,7 +777,7 @@ class PartitionedWeights:
         change (Note [a parameter without values])."""
         return []
 
-    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+    def take_changes(self, slots: list[Slot], keep: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         return []
 
     # -- reporting ---------------------------------------------------------------------

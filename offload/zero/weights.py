@@ -108,11 +108,12 @@ class Weights(Protocol):
         """Trained parameters changed in place since the last publish, whose
         change the next publish would undo (Note [in-place changes between steps])."""
 
-    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+    def take_changes(self, slots: list[Slot], keep: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         """The changes of ``slots`` stand from now on: with the master in the
         weights they are in it now; otherwise each owned range [lo, hi) of them
         with the model's values there (host memory, compute dtype), for the
-        optimizer's master."""
+        optimizer's master. Not ``keep``: they are let go, the next publish
+        overwriting them."""
 
     def hold(self, params: list[torch.Tensor]):
         """``params`` whole until ``let_go(handle, keep)``, which returns what
@@ -252,9 +253,9 @@ class ReplicatedWeights:
     def changed_in_place(self) -> list[Slot]:
         return [slot for slot in self.layout.slots if slot.param._version != self._versions[id(slot)]]
 
-    def take_changes(self, slots: list[Slot]) -> list[tuple[int, int, torch.Tensor]]:
+    def take_changes(self, slots: list[Slot], keep: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         changes = []
-        for piece in (p for slot in slots for p in self.layout.pieces_of(slot) if p.rank == self.layout.rank):
+        for piece in (p for slot in slots if keep for p in self.layout.pieces_of(slot) if p.rank == self.layout.rank):
             lo, hi = piece.owned_lo, piece.owned_hi
             if self.holds_master and self.direct:
                 continue  # the flat buffer is the master: the change is in it already

@@ -5,7 +5,9 @@ the accelerator, in host memory or on NVMe, with the overlapped step, with a
 bf16 master in the weights; inside ``engine.gathered(..., modifier_rank=r)``
 at every stage and tier, rank r's changes; at world sizes 1 and 2. A change
 is an error naming the parameter under a delayed update in flight, and at
-stage 3 outside ``gathered`` with a modifier rank."""
+stage 3 outside ``gathered`` with a modifier rank. What reads the master
+weights (a state dict, a checkpoint, ``close``) sees a change made since the
+last step."""
 
 import contextlib
 import functools
@@ -159,6 +161,31 @@ def test_a_change_reaches_a_bf16_model_and_its_master(tmp_path, master):
         assert torch.equal(after["blocks.0.0.bias"], before["blocks.0.0.bias"])
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_what_reads_the_master_weights_sees_a_change_made_since_the_last_step(tmp_path, device):
+    """A state dict, a checkpoint and the model given back at close, as torch's
+    model would show them."""
+    (tmp_path / "swap").mkdir()
+    cfg = _config(2, device, str(tmp_path / "swap"))
+    engine = offload.initialize(make_model(), cfg)
+    engine.backward(engine(batch(0, 0, 0)))
+    engine.step()
+    w = engine.module.blocks[1][0].weight
+    with torch.no_grad():
+        w.fill_(0.5)
+    assert torch.equal(engine.state_dict()["blocks.1.0.weight"], torch.full_like(w, 0.5))
+    with torch.no_grad():
+        w.fill_(0.25)
+    engine.save_checkpoint(str(tmp_path / "checkpoint"))
+    with torch.no_grad():
+        w.fill_(2.0)
+    engine.close()
+    assert torch.equal(w, torch.full_like(w, 2.0))
+    with offload.initialize(make_model(seed=3), cfg) as other:
+        other.load_checkpoint(str(tmp_path / "checkpoint"))
+        assert torch.equal(other.state_dict()["blocks.1.0.weight"], torch.full_like(w, 0.25))
+
+
 def test_a_change_while_a_delayed_update_is_in_flight_is_an_error_naming_it(tmp_path):
     cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
     with offload.initialize(make_model(), cfg) as engine:
@@ -172,3 +199,5 @@ def test_a_change_while_a_delayed_update_is_in_flight_is_an_error_naming_it(tmp_
             engine.module.blocks[2][0].weight.mul_(0.5)
         with pytest.raises(UsageError, match=r"^blocks\.2\.0\.weight changed in place .* delayed update"):
             engine.backward(engine(batch(2, 0, 0)))
+        engine.backward(engine(batch(2, 0, 0)))  # said once: the change is let go
+        engine.step()

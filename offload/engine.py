@@ -62,6 +62,10 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, init_fn=None) -> None:
         """``init_fn(module)`` initialises a module's own parameters when the model
         was built under ``offload.init`` (default: the module's reset_parameters)."""
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
+                             "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
+                             "initialize: model.compile() or torch.compile(engine.module)")
         self.module = model
         self.config = config
         if is_meta(model):

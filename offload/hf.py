@@ -301,6 +301,8 @@ class OffloadTrainer(transformers.Trainer):
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
         init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
         self.engine = offload.initialize(model, config, init_fn=init_fn)
+        if args.torch_compile:  # the Trainer compiles in Accelerate's prepare, which the engine takes the place of
+            model.compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         self._engine_module = _EngineModule(self.engine)
         optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
         super().__init__(model, args, optimizers=(optimizer, None), **kwargs)

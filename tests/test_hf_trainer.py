@@ -308,6 +308,33 @@ def test_floating_inputs_reach_a_bf16_model_in_its_dtype(tmp_path, stage):
     trainer.engine.close()
 
 
+def test_torch_compile_in_the_arguments_compiles_the_model(tmp_path):
+    """The Trainer compiles in Accelerate's prepare, which the engine takes the
+    place of: OffloadTrainer compiles the model itself, and the losses stay
+    those of the eager run (dropout off: compiled dropout draws otherwise)."""
+    def losses(compile: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+        g = torch.Generator().manual_seed(0)
+        data = [{"input_ids": (ids := torch.randint(0, 100, (8,), generator=g)), "labels": ids} for _ in range(16)]
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / str(compile)), per_device_train_batch_size=4,
+                                              max_steps=4, logging_steps=1, use_cpu=True, report_to=[],
+                                              save_strategy="no", torch_compile=compile)
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=data, offload_config=run.offload_config(3),
+                                 nvme_path=str(tmp_path))
+        trainer.train()
+        trainer.engine.close()
+        return run.logged(trainer, "loss")
+
+    eager = losses(False)
+    torch._dynamo.reset()
+    compiled = losses(True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < TOLERANCE
+
+
 # -- "auto" values -------------------------------------------------------------------------
 
 

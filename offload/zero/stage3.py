@@ -72,6 +72,14 @@ Outside forward, what copies a parameter's values goes through the model:
     engine's hooks would be a second engine. Peers refuse too (TRL's
     ``create_reference_model`` under DeepSpeed ZeRO-3).
 
+Note [stage 3 under torch.compile]
+A compiled model (``model.compile()`` or ``torch.compile(model)`` after
+``initialize``) runs the hooks above eagerly (``torch.compiler.disable``):
+traced, they would have Dynamo look into partitioned parameters (Note [a
+parameter without values]) and bake one pass's gathers into the graph. The
+graph breaks at each hooked module instead, and each module's own compute
+is compiled between its gather and its release.
+
 Note [stage 3 limits]
 What each setting bounds here:
   - ``offload_param.max_in_cpu``: as in DeepSpeed, with weights on nvme, the
@@ -169,6 +177,11 @@ class _ReadReporting(dict):
 
     def __reduce_ex__(self, protocol):
         return dict, (dict(self),)
+
+
+def _eager(hook: Callable) -> Callable:
+    """Note [stage 3 under torch.compile]."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:
@@ -336,7 +349,7 @@ class PartitionedWeights:
         containers = (torch.nn.ParameterList, torch.nn.ParameterDict)  # read by their parent, never called
         for module in self._model.modules():
             if any(p in self._managed for p in module._parameters.values()):
-                module.__dict__["_parameters"] = _ReadReporting(module._parameters, self._read_by_name)
+                module.__dict__["_parameters"] = _ReadReporting(module._parameters, _eager(self._read_by_name))
                 self._reporting.append(module)
                 # A partial: torch marks the hook it is given, which a bound method cannot take.
                 self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._whole_in_state_dict)))
@@ -348,9 +361,9 @@ class PartitionedWeights:
             direct = [self._managed[p] for p in dict.fromkeys(held) if p in self._managed]
             if direct:
                 self._direct_of[module] = direct
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True))
             # always_call: a forward that raises still leaves the stack and drops its references.
-            self._hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+            self._hooks.append(module.register_forward_hook(_eager(self._post_forward), always_call=True))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
                 self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))

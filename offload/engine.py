@@ -280,24 +280,24 @@ class Engine:
         [in-place changes between steps])."""
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         keep = modifier_rank is not None
-        if keep and self.update.in_flight:
+        if keep and self.update.ahead:
             raise UsageError(f"engine.gathered(..., modifier_rank={modifier_rank}) while the delayed update "
-                             "(offload_optimizer.delayed_update) computes the next weights from the master ones; "
-                             "call engine.synchronize() first, or change weights before offload.initialize")
+                             "(offload_optimizer.delayed_update) holds the next weights, computed from the master "
+                             "ones; call engine.synchronize() first, or change weights before offload.initialize")
         self.update.wait(self.times)
         handle = self.weights.hold(params)
         self._holding += 1
+        raised = True
         try:
             yield params
-        except BaseException:
-            keep = False
-            raise
+            raised = False
         finally:
+            # The same collectives on every rank, whether or not the block raised on this one.
             self._holding -= 1
             if keep and self.world > 1:
                 for p in params:
                     comm.broadcast(p.data, modifier_rank)
-            for lo, hi, values in self.weights.let_go(handle, keep):
+            for lo, hi, values in self.weights.let_go(handle, keep, refuse=not raised):
                 self.optimizer.take_weights(lo, hi, values)
 
     def _keep_changes_in_place(self) -> None:
@@ -308,7 +308,7 @@ class Engine:
         changed = self.weights.changed_in_place()
         if not changed:
             return
-        if self.update.in_flight:
+        if self.update.ahead:
             self.weights.take_changes(changed, keep=False)  # said once: the next publish overwrites them
             raise UsageError(f"{_some_names(changed)} changed in place after a step, while the delayed update "
                              "(offload_optimizer.delayed_update) computes the next weights from the master ones; "

@@ -111,7 +111,7 @@ class OverlappedStep:
         self.join_seconds = 0.0  # how long step() waited for it
         self._told = False
 
-    in_flight = False  # between steps nothing runs
+    in_flight = ahead = False  # between steps nothing runs; a speculated step is undone before anyone looks
 
     # -- during the last backward ------------------------------------------------------
 

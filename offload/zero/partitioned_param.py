@@ -8,8 +8,9 @@ values then (a ``p.norm()`` to log, ``model.to(...)``, ``print(p)``) would
 read past an empty storage and take the process down. So while released it
 belongs to a guard subclass of its own class (``hide``), whose
 ``__torch_function__`` lets through what reads no values (the metadata
-below, ``.data`` and ``detach``, which stay guarded, and gradient hooks) and
-refuses everything else with an error naming it. Gathering gives it its
+below, ``.data`` and ``detach``, which stay guarded, gradient hooks, new
+tensors shaped like it, conversions to its own dtype and device) and refuses
+everything else with an error naming it. Gathering gives it its
 class back (``reveal``), so a forward pays nothing. Copies are refused by
 name too (Note [the model's own copies] in ``stage3.py``). Code that turns
 torch functions off (``torch._C.DisableTorchFunction``) gets past the guard.
@@ -35,10 +36,15 @@ _ATTRIBUTES = frozenset({
 })
 _METHODS = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
-    "is_floating_point", "is_complex", "is_signed", "get_device", "untyped_storage", "data_ptr", "__len__",
-    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "is_floating_point", "is_complex", "is_signed", "is_shared", "is_pinned", "is_set_to", "get_device",
+    "untyped_storage", "data_ptr", "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "_has_compatible_shallow_copy_type",
+    # new tensors shaped like it, its values unread
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_empty", "new_full",
 })
 _GUARDED_RESULT = frozenset({"data", "detach"})  # a tensor sharing the empty storage, guarded in turn
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 _names: dict[int, str] = {}  # id of each hidden parameter -> its name, for messages
 
@@ -57,14 +63,32 @@ def _what(func) -> tuple[str, str]:
     return getattr(func, "__name__", repr(func)), "call"
 
 
+def _changes_nothing(name: str, args: tuple, kwargs: dict) -> bool:
+    """A conversion that returns the tensor itself (``model.to`` its own device,
+    ``model.float()`` of an fp32 model), which reads no values."""
+    tensor, rest = args[0], args[1:]
+    if name in _CASTS:
+        return not rest and tensor.dtype == _CASTS[name] and kwargs.get("memory_format") in (None, torch.preserve_format)
+    if name == "cpu":
+        return tensor.device.type == "cpu"
+    if name != "to" or kwargs.get("copy"):
+        return False
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*rest, **{k: v for k, v in kwargs.items() if k != "copy"})
+    same_device = device is None or (device.type == tensor.device.type and device.index in (None, tensor.device.index))
+    return same_device and dtype in (None, tensor.dtype) and memory_format in (None, torch.preserve_format)
+
+
 class _Hidden:
     """Mixed into a tensor class while its values are elsewhere (Note [a parameter without values])."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name, kind = _what(func)
+        kwargs = kwargs or {}
+        if kind == "call" and _changes_nothing(name, args, kwargs):
+            return args[0]
         if not (kind == "set" or (kind == "get" and name in _ATTRIBUTES) or name in _METHODS
-                or name in _GUARDED_RESULT):
+                or name in _GUARDED_RESULT or (name == "type" and len(args) == 1 and not kwargs)):
             holder = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Hidden))
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
                              f"outside a forward (this rank holds only its part), so it has no values to "
@@ -73,7 +97,7 @@ class _Hidden:
                              "weights through model.state_dict() or engine.state_dict() (Note [a parameter without "
                              "values])")
         with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **(kwargs or {}))
+            result = func(*args, **kwargs)
         if name in _GUARDED_RESULT and kind != "set":
             result = _guarded(result, _name_of(args[0]))
         return result
@@ -81,6 +105,9 @@ class _Hidden:
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"{type(self).__mro__[2].__name__}(partitioned by offload stage 3, no values here: "
                 f"shape={list(self.shape)}, dtype={self.dtype}, device={self.device})")
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
 
     def __deepcopy__(self, memo):
         self._refuse_copy("copy.deepcopy")

@@ -763,25 +763,34 @@ class PartitionedWeights:
             self._gather(m, record=False)
         return held
 
-    def let_go(self, held: list[_Managed], keep: bool) -> list[tuple[int, int, torch.Tensor]]:
+    def let_go(self, held: list[_Managed], keep: bool, refuse: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         """Release what ``hold`` gathered. ``keep``: changes made to it stand: each
         part goes to its tier as the parameter is now, and for the trained ones
         without the master in the weights, their owned ranges with their new
-        values, for the optimizer's master (``Weights.take_changes``)."""
-        changes = []
+        values, for the optimizer's master (``Weights.take_changes``). Not
+        ``keep``: a change would be lost with the gathered copy (or, for a
+        persistent parameter, at the next publish); with ``refuse`` that is an
+        error naming them, once every one is released (Note [in-place changes])."""
+        changes, lost = [], []
         for m in held:
             m.held -= 1
             p = m.slot.param
             if keep:
                 self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
                 self._land_uploads()
-                m.version = p._version
                 if m.layout is self.layout and not self.holds_master:
                     flat = p.detach().reshape(-1)
                     changes += [(piece.owned_lo, piece.owned_hi,
                                  self.transfer.host_copy(flat[piece.param_lo : piece.param_hi]))
                                 for piece in m.layout.pieces_of(m.slot) if piece.rank == m.layout.rank]
+            elif p._version != m.version:
+                lost.append(m.slot.name)
+            m.version = p._version
             self._release(m)
+        if lost and refuse:
+            raise UsageError(f"{', '.join(lost)} changed in place inside `engine.gathered(...)` without modifier_rank: "
+                             "offload stage 3 keeps each rank's part and the master weights, not the gathered copy, "
+                             "so the change is lost; pass modifier_rank= to keep it (Note [in-place changes])")
         return changes
 
     def changed_in_place(self) -> list[Slot]:

@@ -90,6 +90,7 @@ class ImmediateUpdate(_AfterBackward):
         self.gradient.zero()
 
     in_flight = False  # nothing ever is
+    ahead = False
 
     def wait(self, times: PhaseTimes) -> None:
         pass
@@ -132,6 +133,12 @@ class DelayedUpdate(_AfterBackward):
     def in_flight(self) -> bool:
         """A step runs on the worker: it alone may use the optimizer and its store."""
         return self._pending is not None
+
+    @property
+    def ahead(self) -> bool:
+        """The master weights hold a step the model does not show yet: in flight,
+        or waited for and not published."""
+        return self._pending is not None or self._unpublished
 
     def wait(self, times: PhaseTimes) -> None:
         """Wait for the step in flight, if any; its weights stay unpublished."""

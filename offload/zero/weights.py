@@ -116,10 +116,12 @@ class Weights(Protocol):
         overwriting them."""
 
     def hold(self, params: list[torch.Tensor]):
-        """``params`` whole until ``let_go(handle, keep)``, which returns what
-        ``take_changes`` does for them if ``keep`` (Engine.gathered)."""
+        """``params`` whole until ``let_go(handle, keep, refuse)``, which returns
+        what ``take_changes`` does for them if ``keep``; otherwise, where a
+        change would be lost, it is an error naming them if ``refuse``
+        (Engine.gathered)."""
 
-    def let_go(self, handle, keep: bool) -> list[tuple[int, int, torch.Tensor]]: ...
+    def let_go(self, handle, keep: bool, refuse: bool = True) -> list[tuple[int, int, torch.Tensor]]: ...
 
     def memory(self, report: MemoryReport) -> None: ...
 
@@ -273,7 +275,9 @@ class ReplicatedWeights:
         wanted = set(params)
         return [slot for slot in self.layout.slots if slot.param in wanted]
 
-    def let_go(self, handle: list[Slot], keep: bool) -> list[tuple[int, int, torch.Tensor]]:
+    def let_go(self, handle: list[Slot], keep: bool, refuse: bool = True) -> list[tuple[int, int, torch.Tensor]]:
+        """Not ``keep``: a change stands all the same, taken at the next step
+        (Note [in-place changes between steps])."""
         return self.take_changes(handle) if keep else []
 
     def memory(self, report: MemoryReport) -> None:

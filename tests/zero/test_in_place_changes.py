@@ -18,6 +18,7 @@ import torch
 import offload
 from offload import _native
 from offload.errors import UsageError
+from offload.zero.stage3 import ParamState
 
 from .harness import batch, config, each_tier, make_model, spawn_ranks
 
@@ -103,10 +104,34 @@ def test_changes_made_in_gathered_with_a_modifier_rank_stand_as_with_adamw(tmp_p
     assert _difference(_trained(cfg, gathered=True), _reference(cfg, 1)) < TOLERANCE
 
 
+def _raised_on_one_rank(stage: int, nvme: str, rank: int) -> bool:
+    """Rank 1's block raises (and the user catches it): rank 0's change stands
+    on both, each rank having entered the same collectives."""
+    cfg = _config(stage, "cpu", nvme)
+    cfg["comm_timeout_s"] = 60  # a rank left waiting fails the test instead of hanging it
+    with offload.initialize(make_model(), cfg) as engine:
+        w = engine.module.blocks[0][0].weight
+        try:
+            with engine.gathered([w], modifier_rank=0), torch.no_grad():
+                w.mul_(0.5)
+                if rank == 1:
+                    raise ValueError("only here")
+        except ValueError:
+            pass
+        return torch.equal(engine.state_dict()["blocks.0.0.weight"], make_model().blocks[0][0].weight * 0.5)
+
+
+def _world2_case(rank: int, case: str, nvme: str):
+    stage, device, *rest = case.split("-")
+    if rest == ["raised"]:
+        return _raised_on_one_rank(int(stage), nvme, rank)
+    return {k: v.tolist() for k, v in _trained(_config(int(stage), device, nvme), rank, gathered=bool(rest)).items()}
+
+
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:
-    each_tier(rank, port, out_dir, ("2-cpu", "2-nvme", "2-nvme-gathered", "3-cpu-gathered", "3-nvme-gathered"),
-              lambda case, nvme: {k: v.tolist() for k, v in _trained(
-                  _config(int(case[0]), case.split("-")[1], nvme), rank, gathered=case.endswith("gathered")).items()})
+    each_tier(rank, port, out_dir, ("2-cpu", "2-nvme", "2-nvme-gathered", "3-cpu-gathered", "3-nvme-gathered",
+                                    "2-cpu-raised", "3-cpu-raised"),
+              lambda case, nvme: _world2_case(rank, case, nvme))
 
 
 def test_changes_with_two_ranks(tmp_path):
@@ -114,13 +139,15 @@ def test_changes_with_two_ranks(tmp_path):
     ref = _reference(_config(2, "cpu", str(tmp_path)), 2)
     for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
         for case, state in results.items():
-            assert _difference({k: torch.tensor(v) for k, v in state.items()}, ref) < TOLERANCE, (rank, case)
+            if case.endswith("raised"):
+                assert state is True, (rank, case)
+            else:
+                assert _difference({k: torch.tensor(v) for k, v in state.items()}, ref) < TOLERANCE, (rank, case)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gathered_holds_the_weights_whole_and_refuses_a_step_inside(tmp_path, stage):
     cfg = _config(stage, "cpu", str(tmp_path))
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     with offload.initialize(make_model(), cfg) as engine:
         w = engine.module.blocks[1][0].weight
         engine.backward(engine(batch(0, 0, 0)))
@@ -132,9 +159,16 @@ def test_gathered_holds_the_weights_whole_and_refuses_a_step_inside(tmp_path, st
             engine(batch(1, 0, 0))  # a forward inside the block leaves the weights held
             assert w.norm() > 0
         if stage == 3:
-            with pytest.raises(UsageError, match=r"blocks\.1\.0\.weight was changed in place .*modifier_rank"):
-                with engine.gathered(w), torch.no_grad():
+            norm = engine.module.norm.weight  # persistent: never released, so checked at the block's end
+            with pytest.raises(UsageError, match=r"^blocks\.1\.0\.weight, norm\.weight changed in place inside "
+                                                 r"`engine\.gathered\(\.\.\.\)` without modifier_rank"):
+                with engine.gathered([w, norm, engine.module.blocks[2][0].weight]), torch.no_grad():
                     w.mul_(2)
+                    norm.mul_(2)
+            states = engine.weights.states()
+            assert states["blocks.1.0.weight"] is states["blocks.2.0.weight"] is ParamState.PARTITIONED
+            engine.backward(engine(batch(2, 0, 0)))
+            engine.step()  # said once, at the block's end: the step does not raise it again
             with pytest.raises(UsageError, match=r"^blocks\.1\.0\.weight: offload stage 3 keeps it partitioned"):
                 w.norm()
 
@@ -201,3 +235,11 @@ def test_a_change_while_a_delayed_update_is_in_flight_is_an_error_naming_it(tmp_
             engine.backward(engine(batch(2, 0, 0)))
         engine.backward(engine(batch(2, 0, 0)))  # said once: the change is let go
         engine.step()
+        engine.state_dict()  # waits for the step in flight without publishing it: the model is still behind
+        with torch.no_grad():
+            engine.module.blocks[0][0].weight.mul_(0.5)
+        with pytest.raises(UsageError, match=r"^blocks\.0\.0\.weight changed in place .* delayed update"):
+            engine.state_dict()
+        with pytest.raises(UsageError, match=r"modifier_rank=0\) while the delayed update"):
+            with engine.gathered(engine.module.blocks[1][0].weight, modifier_rank=0):
+                pass

@@ -46,12 +46,20 @@ def test_reading_a_partitioned_parameters_values_is_an_error_naming_it(tmp_path,
         with pytest.raises(UsageError, match=r"^blocks\.0\.0\.weight: offload stage 3 keeps it partitioned"):
             read()
     assert repr(w).startswith(f"Parameter(partitioned by offload stage 3, no values here: shape={list(w.shape)}")
+    assert format(w) == repr(w)
+    # what reads no values goes through: new tensors shaped like it, conversions that change nothing
+    assert (torch.zeros_like(w).shape, w.new_zeros(3).shape, w.type()) == (w.shape, (3,), original.type())
+    assert engine.module.to(w.device).float() is engine.module and engine.module.blocks[0][0].weight is w
     engine.backward(engine(batch(5, 0, 0)))  # the guard changes nothing the engine does
     engine.step()
-    expected = engine.state_dict()["blocks.0.0.weight"]
+    trained = engine.state_dict()
     engine.close()
     assert type(w) is torch.nn.Parameter
-    assert torch.equal(w, expected)
+    assert torch.equal(w, trained["blocks.0.0.weight"])
+    with train_engine(make_model(), 2, 1, _config(tier, str(tmp_path))) as untouched:
+        untouched.backward(untouched(batch(5, 0, 0)))
+        untouched.step()
+        assert all(torch.equal(v, trained[k]) for k, v in untouched.state_dict().items())
 
 
 class _Tagged(torch.nn.Parameter):

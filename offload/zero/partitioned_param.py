@@ -4,7 +4,7 @@ Note [a parameter without values]
 Released, a partitioned parameter keeps its shape, dtype and device (code
 reads them: ``model.dtype``, ``model.device``, vocabulary sizes), but its
 storage is empty, this rank's part being in its tier. Anything that read its
-values then (a ``p.norm()`` to log, ``model.to(...)``, ``print(p)``) would
+values then (a ``p.norm()`` to log, ``model.half()``, ``print(p)``) would
 read past an empty storage and take the process down. So while released it
 belongs to a guard subclass of its own class (``hide``), whose
 ``__torch_function__`` lets through what reads no values (the metadata

@@ -58,7 +58,10 @@ model rescaling its weights in eval mode, as RWKV does; a ``no_grad``
 parameter's version counter, which every in-place operation on it advances
 (``.data`` has a counter of its own, which the engine's copies use), and
 releasing a parameter whose counter moved is an error naming it. A persistent
-frozen parameter is never released, so a change to it stays, as in PyTorch.
+parameter is never released, so a change to it stands, as in PyTorch: a
+trained one gives its part and the master weights its new values before they
+are next read (``changed_in_place``, as at stages 1-2: Note [in-place changes
+between steps]), a frozen one keeps it in its gathered copy.
 
 Note [the model's own copies]
 Outside forward, what copies a parameter's values goes through the model:
@@ -774,18 +777,11 @@ class PartitionedWeights:
         changes, lost = [], []
         for m in held:
             m.held -= 1
-            p = m.slot.param
             if keep:
-                self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
-                self._land_uploads()
-                if m.layout is self.layout and not self.holds_master:
-                    flat = p.detach().reshape(-1)
-                    changes += [(piece.owned_lo, piece.owned_hi,
-                                 self.transfer.host_copy(flat[piece.param_lo : piece.param_hi]))
-                                for piece in m.layout.pieces_of(m.slot) if piece.rank == m.layout.rank]
-            elif p._version != m.version:
+                changes += self._take(m)
+            elif m.slot.param._version != m.version:
                 lost.append(m.slot.name)
-            m.version = p._version
+            m.version = m.slot.param._version
             self._release(m)
         if lost and refuse:
             raise UsageError(f"{', '.join(lost)} changed in place inside `engine.gathered(...)` without modifier_rank: "
@@ -793,14 +789,36 @@ class PartitionedWeights:
                              "so the change is lost; pass modifier_rank= to keep it (Note [in-place changes])")
         return changes
 
+    def _take(self, m: _Managed) -> list[tuple[int, int, torch.Tensor]]:
+        """m's gathered values become its part in its tier; for a trained one
+        without the master in the weights, its owned ranges with their values,
+        for the optimizer's master."""
+        p = m.slot.param
+        self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
+        self._land_uploads()
+        m.version = p._version
+        if m.layout is not self.layout or self.holds_master:
+            return []
+        flat = p.detach().reshape(-1)
+        return [(piece.owned_lo, piece.owned_hi, self.transfer.host_copy(flat[piece.param_lo : piece.param_hi]))
+                for piece in m.layout.pieces_of(m.slot) if piece.rank == m.layout.rank]
+
     def changed_in_place(self) -> list[Slot]:
-        """None to carry over: a gathered copy changed in place is an error at its
-        release (Note [in-place changes]), a released parameter has no values to
+        """Persistent trained parameters changed in place: they hold their values
+        between forwards, so a change stands, as at stages 1-2 (Note [in-place
+        changes between steps]). A gathered copy of any other is an error at its
+        release (Note [in-place changes]); a released parameter has no values to
         change (Note [a parameter without values])."""
-        return []
+        return [m.slot for m in self._managed.values() if m.persistent and m.layout is self.layout
+                and m.state is ParamState.GATHERED and m.held == 0 and m.slot.param._version != m.version]
 
     def take_changes(self, slots: list[Slot], keep: bool = True) -> list[tuple[int, int, torch.Tensor]]:
-        return []
+        changes = []
+        for m in (self._managed[slot.param] for slot in slots):
+            if keep:
+                changes += self._take(m)
+            m.version = m.slot.param._version
+        return changes
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 torch's AdamW: in place at stages 1 and 2 (Note [in-place changes between
 steps]), before the forward or between backward and step, with the master on
 the accelerator, in host memory or on NVMe, with the overlapped step, with a
-bf16 master in the weights; inside ``engine.gathered(..., modifier_rank=r)``
+bf16 master in the weights; at stage 3 to parameters kept gathered
+throughout; inside ``engine.gathered(..., modifier_rank=r)``
 at every stage and tier, rank r's changes; at world sizes 1 and 2. A change
 is an error naming the parameter under a delayed update in flight, and at
-stage 3 outside ``gathered`` with a modifier rank. What reads the master
+stage 3 to one gathered only for its forwards, outside ``gathered`` with a
+modifier rank. What reads the master
 weights (a state dict, a checkpoint, ``close``) sees a change made since the
 last step."""
 
@@ -43,25 +45,39 @@ def _change_before_step(model: torch.nn.Module, step: int) -> None:
             model.blocks[0][0].weight.add_(0.01)
 
 
-def _reference(cfg: dict, world: int) -> dict:
+def _change_persistent(model: torch.nn.Module, step: int) -> None:
+    """LayerNorm and biases only, which stage 3 keeps gathered throughout (threshold 30)."""
+    with torch.no_grad():
+        if step == 1:
+            model.norm.weight.mul_(0.5)
+        if step == 3:
+            model.blocks[2][0].bias.clamp_(-0.01, 0.01)
+
+
+def _no_change(model: torch.nn.Module, step: int) -> None:
+    pass
+
+
+def _reference(cfg: dict, world: int, before=_change_before_forward, after=_change_before_step) -> dict:
     ref = make_model()
     p = cfg["optimizer"]["params"]
     opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                             weight_decay=p["weight_decay"], foreach=False)
     for step in range(STEPS):
-        _change_before_forward(ref, step)
+        before(ref, step)
         opt.zero_grad()
         for rank in range(world):
             (ref(batch(step, 0, rank)) / world).backward()
-        _change_before_step(ref, step)
+        after(ref, step)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
         opt.step()
     return ref.state_dict()
 
 
-def _trained(cfg: dict, rank: int = 0, gathered: bool = False) -> dict:
+def _trained(cfg: dict, rank: int = 0, gathered: bool = False, persistent: bool = False) -> dict:
     """``gathered``: each change made inside ``engine.gathered`` with modifier
-    rank 0; another rank makes another change, which must not stand."""
+    rank 0; another rank makes another change, which must not stand.
+    ``persistent``: ``_change_persistent``'s changes, made as they are."""
     with offload.initialize(make_model(), cfg) as engine:
         model = engine.module
         held = contextlib.nullcontext
@@ -69,10 +85,14 @@ def _trained(cfg: dict, rank: int = 0, gathered: bool = False) -> dict:
             held = functools.partial(engine.gathered, list(model.parameters()), modifier_rank=0)
         for step in range(STEPS):
             with held():
-                _change_before_forward(model, step, 3.0 if gathered and rank else 0.5)
+                if persistent:
+                    _change_persistent(model, step)
+                else:
+                    _change_before_forward(model, step, 3.0 if gathered and rank else 0.5)
             engine.backward(engine(batch(step, 0, rank)))
             with held():
-                _change_before_step(model, step)
+                if not persistent:
+                    _change_before_step(model, step)
             engine.step()
         return engine.state_dict()
 
@@ -96,6 +116,13 @@ def _difference(state: dict, ref: dict) -> float:
 def test_changes_in_place_between_steps_stand_as_with_adamw(tmp_path, stage, device, overlap_step):
     cfg = _config(stage, device, str(tmp_path), overlap_step)
     assert _difference(_trained(cfg), _reference(cfg, 1)) < TOLERANCE
+
+
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+def test_changes_to_persistent_parameters_at_stage_3_stand_as_with_adamw(tmp_path, device):
+    """They keep their values between forwards, as every parameter at stages 1-2."""
+    cfg = _config(3, device, str(tmp_path))
+    assert _difference(_trained(cfg, persistent=True), _reference(cfg, 1, _change_persistent, _no_change)) < TOLERANCE
 
 
 @pytest.mark.parametrize("stage, device", [(1, "cpu"), (2, "nvme"), (3, "none"), (3, "cpu"), (3, "nvme")])

@@ -19,6 +19,7 @@ interface ``checkpoint.save_load.Checkpointable``; reports are report.py's.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -62,7 +63,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, init_fn=None) -> None:
         """``init_fn(module)`` initialises a module's own parameters when the model
         was built under ``offload.init`` (default: the module's reset_parameters)."""
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it takes ~1 s)
+        if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")

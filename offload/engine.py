@@ -29,7 +29,7 @@ import torch
 from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
-from offload.errors import ConfigError, UsageError
+from offload.errors import ConfigError, UsageError, in_brief
 from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
@@ -312,7 +312,7 @@ class Engine:
             return
         if self.update.ahead:
             self.weights.take_changes(changed, keep=False)  # said once: the next publish overwrites them
-            raise UsageError(f"{_some_names(changed)} changed in place after a step, while the delayed update "
+            raise UsageError(f"{in_brief([slot.name for slot in changed])} changed in place after a step, while the delayed update "
                              "(offload_optimizer.delayed_update) computes the next weights from the master ones; "
                              "the change is overwritten: make it before offload.initialize, load weights with "
                              "offload.load_weights, or turn delayed_update off")
@@ -589,11 +589,6 @@ def _loss_of(output) -> torch.Tensor:
                          f"model returns when given labels), a dict with 'loss', or a tuple starting with it; "
                          f"got {type(output).__name__}")
     return loss
-
-
-def _some_names(slots: list[Slot]) -> str:
-    names = [slot.name for slot in slots]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _refuse_load_state_dict(module, state_dict, prefix, *rest) -> None:

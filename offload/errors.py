@@ -9,6 +9,7 @@ in offload or in the model, and keeps its traceback.
 
 Each class also derives from the built-in type callers would catch without
 knowing offload (``ValueError``, ``OSError``, ``MemoryError``).
+``in_brief`` names a few of many things in such a one-line message.
 
     OffloadError
     ├── ConfigError      a configuration key or value            (ValueError)
@@ -26,6 +27,11 @@ knowing offload (``ValueError``, ``OSError``, ``MemoryError``).
 """
 
 from __future__ import annotations
+
+
+def in_brief(names: list[str]) -> str:
+    """The first few of ``names`` for a one-line message, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 class OffloadError(Exception):

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from offload.errors import UsageError
+from offload.errors import UsageError, in_brief
 from offload.peft_models import adapter_own, checkpoint_names
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
@@ -139,10 +139,10 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
             elif isinstance(value, torch.nn.Parameter):  # frozen: a LoRA's base must not stay as initialised
                 (adapter if any(map(own, keys)) else missing).append(" / ".join(keys))  # or an inactive adapter
         if adapter:
-            warnings.warn(f"offload.load_weights: {_some(adapter)} not in {path}; they keep the values the PEFT "
+            warnings.warn(f"offload.load_weights: {in_brief(adapter)} not in {path}; they keep the values the PEFT "
                           "model gave them (its adapters' own)", UserWarning, stacklevel=2)
         if missing:
-            named = _some(missing)
+            named = in_brief(missing)
             if not allow_missing:
                 raise UsageError(f"{named} missing from {path}: a parameter needs a value (check the "
                                  "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
@@ -179,7 +179,7 @@ class TensorsCheckpoint:
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         wrong = [key for key, value in tensors.items() if not isinstance(value, torch.Tensor)]
         if wrong:
-            raise UsageError(f"load_weights: the state dict's {_some(wrong)} {'is' if len(wrong) == 1 else 'are'} "
+            raise UsageError(f"load_weights: the state dict's {in_brief(wrong)} {'is' if len(wrong) == 1 else 'are'} "
                              "not a tensor; pass a mapping of names to tensors, or a safetensors path")
         self.tensors = tensors
 
@@ -194,10 +194,6 @@ class TensorsCheckpoint:
 
     def close(self) -> None:
         """Nothing to release: the tensors are the caller's."""
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):

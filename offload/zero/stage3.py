@@ -129,7 +129,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from offload.config import Config
-from offload.errors import ConfigError, UsageError
+from offload.errors import ConfigError, UsageError, in_brief
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
@@ -784,7 +784,7 @@ class PartitionedWeights:
             m.version = m.slot.param._version
             self._release(m)
         if lost and refuse:
-            raise UsageError(f"{', '.join(lost)} changed in place inside `engine.gathered(...)` without modifier_rank: "
+            raise UsageError(f"{in_brief(lost)} changed in place inside `engine.gathered(...)` without modifier_rank: "
                              "offload stage 3 keeps each rank's part and the master weights, not the gathered copy, "
                              "so the change is lost; pass modifier_rank= to keep it (Note [in-place changes])")
         return changes

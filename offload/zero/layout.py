@@ -137,6 +137,10 @@ class FlatLayout:
                 pieces.append(Piece(slot, rank, a - begin, b - begin, bucket.owned_offset + a - rank * bucket.part))
         return pieces
 
+    def own_pieces(self, slot: Slot) -> list[Piece]:
+        """This rank's pieces of ``slot`` (none, one, or one per bucket part it meets)."""
+        return [piece for piece in self.pieces_of(slot) if piece.rank == self.rank]
+
     def pieces_in(self, bucket: Bucket, rank: int) -> Iterator[Piece]:
         """The pieces that make up ``rank``'s part of ``bucket`` (the rest is padding)."""
         for slot in bucket.slots:

@@ -310,9 +310,13 @@ class PartitionedWeights:
     def add(self, param: torch.nn.Parameter) -> None:
         """``param`` holds its initial values: keep this rank's part in the tier, free the rest."""
         m = self._managed[param]
+        self._keep_part(m)
+        self._free(m)
+
+    def _keep_part(self, m: _Managed) -> None:
+        """This rank's part of m, from the parameter as it is now, into its tier."""
         self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
         self._land_uploads()
-        self._free(m)
 
     def manages(self, param: torch.Tensor) -> bool:
         return param in self._managed
@@ -793,15 +797,12 @@ class PartitionedWeights:
         """m's gathered values become its part in its tier; for a trained one
         without the master in the weights, its owned ranges with their values,
         for the optimizer's master."""
-        p = m.slot.param
-        self._write_shard(m, m.layout.owned_values(m.bucket, self.dtype), on_host=True)
-        self._land_uploads()
-        m.version = p._version
+        self._keep_part(m)
         if m.layout is not self.layout or self.holds_master:
             return []
-        flat = p.detach().reshape(-1)
+        flat = m.slot.param.detach().reshape(-1)
         return [(piece.owned_lo, piece.owned_hi, self.transfer.host_copy(flat[piece.param_lo : piece.param_hi]))
-                for piece in m.layout.pieces_of(m.slot) if piece.rank == m.layout.rank]
+                for piece in m.layout.own_pieces(m.slot)]
 
     def changed_in_place(self) -> list[Slot]:
         """Persistent trained parameters changed in place: they hold their values

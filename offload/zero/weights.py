@@ -212,8 +212,10 @@ class ReplicatedWeights:
         return self.staging[: hi - lo]
 
     def current(self, lo: int, hi: int) -> torch.Tensor:
-        if not self.direct:
-            return self.staging[lo:hi]
+        return self._flat_owned(lo, hi) if self.direct else self.staging[lo:hi]
+
+    def _flat_owned(self, lo: int, hi: int) -> torch.Tensor:
+        """Owned elements [lo, hi) as the flat buffer holds them (a view when in one bucket's part)."""
         pieces = [self._flat_part(*piece) for piece in self.layout.buckets_meeting(lo, hi)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -257,16 +259,15 @@ class ReplicatedWeights:
 
     def take_changes(self, slots: list[Slot], keep: bool = True) -> list[tuple[int, int, torch.Tensor]]:
         changes = []
-        for piece in (p for slot in slots if keep for p in self.layout.pieces_of(slot) if p.rank == self.layout.rank):
-            lo, hi = piece.owned_lo, piece.owned_hi
-            if self.holds_master and self.direct:
-                continue  # the flat buffer is the master: the change is in it already
-            values = self.transfer.host_copy(torch.cat([self._flat_part(*part)
-                                                        for part in self.layout.buckets_meeting(lo, hi)]))
-            if self.holds_master:
-                self.staging[lo:hi].copy_(values)
-            else:
-                changes.append((lo, hi, values))
+        # With the flat buffer itself the master, the change is in it already.
+        if keep and not (self.holds_master and self.direct):
+            for piece in (piece for slot in slots for piece in self.layout.own_pieces(slot)):
+                lo, hi = piece.owned_lo, piece.owned_hi
+                values = self.transfer.host_copy(self._flat_owned(lo, hi))
+                if self.holds_master:
+                    self.staging[lo:hi].copy_(values)
+                else:
+                    changes.append((lo, hi, values))
         self._versions.update((id(slot), slot.param._version) for slot in slots)
         return changes
 

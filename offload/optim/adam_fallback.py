@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from offload.optim.decay import DecayRuns
 from offload.optim.hyper import AdamHyper
 from offload.optim.moment_codec import BlockCodes, decode_moments, encode_moments, sqrt_exact
 from offload.optim.stochastic import round_to_bf16
@@ -27,6 +28,7 @@ def adam_step_torch(
     grad_scale: float,
     out: torch.Tensor | None,
     sr_key: int | None = None,
+    decay: DecayRuns = DecayRuns(),
 ) -> None:
     # Python floats: torch rounds each to fp32 exactly as the kernel's static_cast<float> does.
     if hyper.bias_correction:
@@ -34,19 +36,21 @@ def adam_step_torch(
         inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - hyper.beta2**step)
     else:
         step_size, inv_bc2_sqrt = hyper.lr, 1.0
-    decay = hyper.weight_decay != 0
+    decayed = [(lo, hi, wd) for lo, hi, wd in decay.spans(param.numel(), hyper.weight_decay) if wd != 0]
 
     master, param = param, param.float()  # a bf16 master is widened, stepped, and rounded back below
     g = grad.float() * grad_scale
-    if decay and not hyper.decoupled:
-        g = g + param * hyper.weight_decay
+    if not hyper.decoupled:
+        for lo, hi, wd in decayed:
+            g[lo:hi].add_(param[lo:hi] * wd)
     # In fp32 whatever the moments' storage; bf16 or 8-bit moments are rounded only when stored back.
     codes = isinstance(exp_avg, BlockCodes)
     m, v = decode_moments(exp_avg, exp_avg_sq) if codes else (exp_avg.float(), exp_avg_sq.float())
     m = m.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
     v = v.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
-    if decay and hyper.decoupled:
-        param.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    if hyper.decoupled:
+        for lo, hi, wd in decayed:
+            param[lo:hi].mul_(1.0 - hyper.lr * wd)
     denom = sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps)
     param.sub_(m.div(denom).mul_(step_size))
     if codes:

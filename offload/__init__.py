@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *,
                nvme_path: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
-               allow_missing: bool = False) -> Engine:
+               allow_missing: bool = False, param_groups=None) -> Engine:
     """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
     meta device when built under ``offload.init``) in an Engine configured by a
     DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
@@ -28,12 +28,17 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     names ``/local_nvme``; point it at a directory on this machine's disk).
     ``weights``: a safetensors file or model directory loaded into the engine
     (``load_weights``, with ``allow_missing``); a meta-built module it fully
-    covers needs no initialiser of its own."""
+    covers needs no initialiser of its own. ``param_groups``: the weight decay
+    of each parameter, as a torch optimizer's groups or DeepSpeed's
+    ``model_parameters`` give it, e.g. ``[{"params": decayed}, {"params":
+    norms_and_biases, "weight_decay": 0.0}]``; a group without
+    ``weight_decay`` takes the config's, and all other hyper-parameters are
+    the config's (default: every parameter takes the config's)."""
     config = Config.load(config, nvme_path)
     if weights is None:
-        return Engine(model, config, init_fn)
+        return Engine(model, config, init_fn, param_groups)
     weights = os.fspath(weights)
-    engine = Engine(model, config, init_covering(model, weights, init_fn) if is_meta(model) else init_fn)
+    engine = Engine(model, config, init_covering(model, weights, init_fn) if is_meta(model) else init_fn, param_groups)
     try:
         load_weights(engine, weights, allow_missing)
     except BaseException:

@@ -45,6 +45,7 @@ from offload.zero.consolidate import (
     owned_ranges,
 )
 from offload.zero.grads import GradientReducer
+from offload.param_groups import owned_decay, weight_decay_by_name
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import is_meta, materialize
@@ -60,14 +61,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, config: Config, init_fn=None) -> None:
+    def __init__(self, model: torch.nn.Module, config: Config, init_fn=None, param_groups=None) -> None:
         """``init_fn(module)`` initialises a module's own parameters when the model
-        was built under ``offload.init`` (default: the module's reset_parameters)."""
+        was built under ``offload.init`` (default: the module's reset_parameters).
+        ``param_groups``: Note [parameter groups]."""
         dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it takes ~1 s)
         if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")
+        # Before anything replaces a parameter: the groups name the user's own.
+        decay = {} if param_groups is None else weight_decay_by_name(model, param_groups,
+                                                                     config.optimizer.params.weight_decay)
         self.module = model
         self.config = config
         if is_meta(model):
@@ -104,7 +109,8 @@ class Engine:
         overlap = offload.overlap_step and offloaded and zero.stage > 1
         # Note [overlapped step]: up to buffer_count sub-groups are speculated per step.
         self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer,
-                                        speculated=offload.buffer_count if overlap else 0)
+                                        speculated=offload.buffer_count if overlap else 0,
+                                        decay=owned_decay(self.layout, decay))
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,

@@ -293,14 +293,16 @@ class OffloadTrainer(transformers.Trainer):
             if unused:
                 warnings.warn(f"OffloadTrainer: TrainingArguments.{' and '.join(unused)} not used: offload_config's "
                               "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=2)
-        if resolved["optimizer"]["params"].get("weight_decay", 0):
-            warnings.warn("OffloadTrainer: weight decay applies to every parameter, as DeepSpeed's optimizer does; "
-                          "plain Trainer exempts biases and LayerNorm weights", UserWarning, stacklevel=2)
         config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"}, nvme_path)  # the Trainer schedules
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
         init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
-        self.engine = offload.initialize(model, config, init_fn=init_fn)
+        # As plain Trainer's optimizer: biases and norm weights take no weight decay.
+        decayed = set(self.get_decay_parameter_names(model))
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trained if n in decayed]},
+                  {"params": [p for n, p in trained if n not in decayed], "weight_decay": 0.0}]
+        self.engine = offload.initialize(model, config, init_fn=init_fn, param_groups=groups)
         if args.torch_compile:  # the Trainer compiles in Accelerate's prepare, which the engine takes the place of
             model.compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         self._engine_module = _EngineModule(self.engine)

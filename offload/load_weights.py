@@ -245,13 +245,16 @@ def _own_values(engine, pieces: list) -> dict:
     return kept
 
 
-def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None, allow_missing: bool = False):
+def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None, allow_missing: bool = False,
+                    param_groups=None):
     """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc.) built
     from the ``config.json`` in directory ``path`` under ``offload.init``, wrapped
     in an engine configured by ``config`` (as ``offload.initialize`` takes it),
     with the weights of ``path`` loaded: the model is built one module at a
     time (its own ``_init_weights`` gives buffers such as rotary frequencies
-    their values) and never whole in host memory at stage 3."""
+    their values) and never whole in host memory at stage 3.
+    ``param_groups(model)``: the groups ``offload.initialize`` takes, for the
+    model built here."""
     import transformers
 
     import offload  # its entry points; not at the top, since offload imports this module
@@ -264,4 +267,5 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
     with offload.init(config):
         model = model_class(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,
-                              allow_missing=allow_missing)
+                              allow_missing=allow_missing,
+                              param_groups=None if param_groups is None else param_groups(model))

@@ -19,6 +19,7 @@ import transformers
 
 STEPS, VOCAB, SEQ = 20, 97, 16
 LR, WARMUP = 2e-3, 5
+WEIGHT_DECAY = 0.1  # plain Trainer exempts biases and norms: the engine must too
 
 # A stock Hugging Face DeepSpeed config's scheduler: everything "auto".
 WARMUP_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
@@ -89,6 +90,7 @@ def arguments(out: str, max_steps: int = STEPS, save_steps: int | None = None) -
     return transformers.TrainingArguments(
         output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=LR, warmup_steps=WARMUP, lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1,
+        weight_decay=WEIGHT_DECAY,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], seed=0,
         use_cpu=True, disable_tqdm=True, data_seed=0)
 
@@ -108,11 +110,10 @@ def train(out: str, stage: int | None, nvme: str | None = None, resume: str | No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if stage is None:
-            optimizers = (None, None)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
             if scheduler is not None:
-                adamw = torch.optim.AdamW(model.parameters(), lr=LR)
-                optimizers = (adamw, torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: warmup_decay_rate(k) / LR))
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=optimizers)
+                adamw = trainer.create_optimizer()
+                trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(adamw, lambda k: warmup_decay_rate(k) / LR)
         else:
             config = offload_config(stage)
             if scheduler is not None:

@@ -31,6 +31,7 @@ import torch
 from offload.config import Config
 from offload.errors import PoolExhausted
 from offload.optim.adam import adam_step, default_threads
+from offload.optim.decay import DecayRuns
 from offload.optim.hyper import AdamHyper
 from offload.optim.state_format import StateFormat
 from offload.optim.stochastic import step_key
@@ -56,12 +57,15 @@ class StepTimes:
 class ShardOptimizer:
     """What both optimizers share: hyper-parameters, sub-groups, the step count."""
 
-    def __init__(self, numel: int, config: Config) -> None:
+    def __init__(self, numel: int, config: Config, decay: DecayRuns) -> None:
+        """``decay``: owned elements whose weight decay is not the config's (Note [parameter groups])."""
         p = config.optimizer.params
         self.hyper = AdamHyper(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], eps=p.eps, weight_decay=p.weight_decay,
                                decoupled=p.adam_w_mode)
         self.numel = numel
         self.groups = SubGroups.of(numel, config.zero_optimization.sub_group_size)
+        self.decay = decay
+        self.group_decay = [decay.within(lo, hi) for lo, hi in self.groups]
         self.step_count = 0
         self.times = StepTimes()
         self.master_in_weights = False  # Note [master in the weights]
@@ -103,23 +107,25 @@ class ShardOptimizer:
 
 
 def make_optimizer(numel: int, config: Config, device: torch.device, transfer: Transfer,
-                   speculated: int = 0) -> ShardOptimizer:
+                   speculated: int = 0, decay: DecayRuns = DecayRuns()) -> ShardOptimizer:
     """``speculated``: how many sub-groups an overlapped step may have updated
-    ahead of ``step()`` at once (Note [overlapped step])."""
+    ahead of ``step()`` at once (Note [overlapped step]). ``decay``: as ShardOptimizer's."""
     if config.zero_optimization.offload_optimizer.device == "none":
-        return DeviceOptimizer(numel, config, device, transfer)
-    return StoreOptimizer(numel, config, speculated)
+        return DeviceOptimizer(numel, config, device, transfer, decay)
+    return StoreOptimizer(numel, config, decay, speculated)
 
 
 class DeviceOptimizer(ShardOptimizer):
-    def __init__(self, numel: int, config: Config, device: torch.device, transfer: Transfer) -> None:
-        super().__init__(numel, config)
+    def __init__(self, numel: int, config: Config, device: torch.device, transfer: Transfer,
+                 decay: DecayRuns) -> None:
+        super().__init__(numel, config, decay)
         self.transfer = transfer
         p = config.optimizer.params
         self._master = torch.zeros(numel, device=device)
         self._master.grad = torch.zeros_like(self._master)
         cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
-        self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+        # Weight decay by parameter is applied in step(), the way torch's Adam and AdamW apply it.
+        self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=0.0)
 
     @ShardOptimizer.lr.setter
     def lr(self, value: float) -> None:
@@ -147,8 +153,14 @@ class DeviceOptimizer(ShardOptimizer):
             self._master.grad[lo:hi].copy_(grad.read(i))
             grad.done(i)
         self._master.grad.mul_(grad_scale)
+        hyper = hyper or self.hyper
+        for lo, hi, decay in self.decay.spans(self.numel, hyper.weight_decay):
+            if decay and hyper.decoupled:
+                self._master[lo:hi].mul_(1 - hyper.lr * decay)
+            elif decay:
+                self._master.grad[lo:hi].add_(self._master[lo:hi], alpha=decay)
         for group in self._torch_opt.param_groups:
-            group["lr"] = (hyper or self.hyper).lr
+            group["lr"] = hyper.lr
         self._torch_opt.step()
         self.times.adam = time.perf_counter() - start
         self._emit(weights)
@@ -202,12 +214,12 @@ class DeviceOptimizer(ShardOptimizer):
 
 
 class StoreOptimizer(ShardOptimizer):
-    def __init__(self, numel: int, config: Config, speculated: int = 0) -> None:
+    def __init__(self, numel: int, config: Config, decay: DecayRuns, speculated: int = 0) -> None:
         """State for ``numel`` owned elements, zero until ``write_master`` fills the
         master weights (part by part, so the owned shard is never all in host memory).
         On nvme the pool holds ``speculated`` more buffers, for the sub-groups
         ``speculate`` keeps resident."""
-        super().__init__(numel, config)
+        super().__init__(numel, config, decay)
         offload = config.zero_optimization.offload_optimizer
         self.tier = offload.device
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
@@ -257,7 +269,8 @@ class StoreOptimizer(ShardOptimizer):
         sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
         checksum = self.store.checksum_target(self._key(i))
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
-                  out=target if low_precision else None, threads=self.threads, sr_key=sr_key, checksum=checksum)
+                  out=target if low_precision else None, threads=self.threads, sr_key=sr_key, checksum=checksum,
+                  decay=self.group_decay[i])
         if separate and not low_precision:
             target.copy_(master)
         return checksum

@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 import offload
 
 VOCAB, DIM, SEQ, BATCH = 61, 24, 12, 3
+Groups = Callable[[nn.Module], list[dict]]  # a model's parameter groups, as torch optimizers take them
 
 
 class TinyLM(nn.Module):
@@ -83,11 +84,14 @@ def config(stage: int, device: str, accumulation: int, nvme_path: str | None = N
 
 
 def train_reference(model: nn.Module, steps: int, world: int, accumulation: int, cfg: dict,
-                    moment_dtype: torch.dtype = torch.float32) -> nn.Module:
+                    moment_dtype: torch.dtype = torch.float32, groups: Groups | None = None) -> nn.Module:
+    """``groups(model)``: the optimizer's parameter groups (default: one).
+    AdamW, or Adam with L2 decay when the config's ``adam_w_mode`` is false."""
     ref = copy.deepcopy(model)
     p = cfg["optimizer"]["params"]
-    opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
-                            weight_decay=p["weight_decay"], foreach=False)
+    cls = torch.optim.AdamW if p.get("adam_w_mode", True) else torch.optim.Adam
+    opt = cls(groups(ref) if groups else ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+              weight_decay=p["weight_decay"], foreach=False)
     ref.grad_norms = []  # before clipping, as the engine's last_grad_norm
     for step in range(steps):
         opt.zero_grad()
@@ -108,8 +112,9 @@ def _round_moments(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
             state[key].copy_(state[key].to(dtype))
 
 
-def train_engine(model: nn.Module, steps: int, accumulation: int, cfg: dict, rank: int = 0) -> offload.Engine:
-    engine = offload.initialize(model, cfg)
+def train_engine(model: nn.Module, steps: int, accumulation: int, cfg: dict, rank: int = 0,
+                 groups: Groups | None = None) -> offload.Engine:
+    engine = offload.initialize(model, cfg, param_groups=groups(model) if groups else None)
     for step in range(steps):
         for micro in range(accumulation):
             engine.backward(engine(batch(step, micro, rank)))

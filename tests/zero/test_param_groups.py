@@ -1,0 +1,123 @@
+"""Parameter groups (Note [parameter groups]): each parameter takes its own
+group's weight decay, as in torch.optim.AdamW (and Adam with L2 decay) given
+the same groups, at every stage and tier, world sizes 1 and 2; bad groups are
+refused by name."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.errors import UsageError
+
+from .harness import (config, each_tier, make_model, max_difference, spawn_ranks, train_engine,
+                      train_reference)
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+STEPS = 6
+TOLERANCE = 1e-5  # as tests/zero/test_equivalence.py; ignoring the groups moves weights by ~1e-3
+
+
+def three_groups(model):
+    """Matrices at the config's decay, the embedding (tied to the head) at its own, the rest at none."""
+    embed = model.embed.weight
+    matrices = [p for p in model.parameters() if p.dim() > 1 and p is not embed]
+    return [{"params": matrices}, {"params": [embed], "weight_decay": 0.3},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _config(stage, device, tmp_path, param_device=None, l2=False, **extra):
+    cfg = config(stage, device, 2, str(tmp_path) if "nvme" in (device, param_device) else None,
+                 param_device=param_device, **extra)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.1
+    if l2:
+        cfg["optimizer"]["type"] = "Adam"
+        cfg["optimizer"]["params"]["adam_w_mode"] = False
+    return cfg
+
+
+CASES = {
+    "stage1-none": (1, "none", None, {}),
+    "stage2-cpu": (2, "cpu", None, {}),
+    "stage2-nvme-overlap": (2, "nvme", None, {"offload_optimizer": {"overlap_step": True}}),
+    "stage2-cpu-l2": (2, "cpu", None, {"l2": True}),
+    "stage1-none-l2": (1, "none", None, {"l2": True}),
+    "stage3-cpu-params-cpu": (3, "cpu", "cpu", {}),
+    "stage3-nvme-params-nvme": (3, "nvme", "nvme", {}),
+    "stage3-none-params-none": (3, "none", "none", {}),
+    "stage2-cpu-bf16-moments": (2, "cpu", None, {"offload_optimizer": {"state_dtype": "bfloat16"}}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_world_size_1_matches_torch_with_the_same_groups(tmp_path, case):
+    stage, device, param_device, extra = CASES[case]
+    cfg = _config(stage, device, tmp_path, param_device, **extra)
+    moments = torch.bfloat16 if "bf16" in case else torch.float32
+    ref = train_reference(make_model(), STEPS, 1, 2, cfg, moments, groups=three_groups)
+    ungrouped = train_reference(make_model(), STEPS, 1, 2, cfg, moments)
+    assert max_difference(ref.state_dict(), ungrouped) > 100 * TOLERANCE  # the groups matter here
+    with train_engine(make_model(), STEPS, 2, cfg, groups=three_groups) as engine:
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+
+
+def _world2(rank: int, port: int, out_dir: str) -> None:
+    def check(case, nvme):
+        stage, tier = int(case[0]), case[2:]
+        cfg = _config(stage, tier, nvme, tier if stage == 3 else None)
+        ref = train_reference(make_model(), STEPS, 2, 2, cfg, groups=three_groups)
+        with train_engine(make_model(), STEPS, 2, cfg, rank, groups=three_groups) as engine:
+            return max_difference(engine.state_dict(), ref)
+
+    each_tier(rank, port, out_dir, ("2-cpu", "2-nvme", "3-cpu", "3-nvme"), check)
+
+
+def test_world_size_2_matches_torch_with_the_same_groups(tmp_path):
+    for rank, results in enumerate(spawn_ranks(_world2, tmp_path)):
+        assert len(results) == 4
+        for case, difference in results.items():
+            assert difference < TOLERANCE, (rank, case, difference)
+
+
+def test_a_plain_list_of_parameters_is_one_group_at_the_configs_decay(tmp_path):
+    cfg = _config(2, "cpu", tmp_path)
+    ref = train_reference(make_model(), STEPS, 1, 2, cfg)
+    with train_engine(make_model(), STEPS, 2, cfg, groups=lambda model: list(model.parameters())) as engine:
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+
+
+def _refused(groups_of, message, model=None):
+    model = model or make_model()
+    with pytest.raises(UsageError, match=message):
+        offload.initialize(model, _config(2, "cpu", None), param_groups=groups_of(model))
+
+
+def test_bad_groups_are_refused_by_name():
+    _refused(lambda m: [{"params": list(m.parameters()), "lr": 1e-4}],
+             r"param_groups\[0\] sets 'lr': offload takes every hyper-parameter but weight_decay")
+    _refused(lambda m: [{"params": list(m.parameters()), "weight_decay": -0.1}],
+             r"param_groups\[0\]\['weight_decay'\] is -0.1")
+    _refused(lambda m: [{"params": list(m.parameters())}, {"params": [m.gain]}],
+             r"gain is in param_groups\[0\] and in param_groups\[1\]")
+    _refused(lambda m: [{"params": [p for p in m.parameters() if p is not m.norm.bias]}],
+             "param_groups leaves out the trainable parameters norm.bias; put them in a group, or freeze them")
+    _refused(lambda m: [{"params": list(m.parameters()) + [torch.nn.Parameter(torch.ones(3))]}],
+             r"holds a tensor of shape \(3,\) that is not a parameter of the model")
+    _refused(lambda m: [list(m.parameters())], r"param_groups\[0\] is list; give every group as a dict")
+    _refused(lambda m: {"params": list(m.parameters())}, "got a dict; wrap it in a list")
+
+
+def test_frozen_parameters_need_no_group(tmp_path):
+    model = make_model()
+    model.norm.requires_grad_(False)
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": 0.0}]
+    reference = copy.deepcopy(model)
+    with offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=groups) as engine:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert engine.optimizer.decay.runs == ((0, trained, 0.0),)  # the padding after them decays nothing
+        assert torch.equal(engine.state_dict()["norm.weight"], reference.norm.weight)
+    assert os.listdir(tmp_path) == []

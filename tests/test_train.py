@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+import offload
 from offload import _native
 from offload.cli import main
 
@@ -31,10 +32,17 @@ def summary_of(out_dir):
 
 
 @native
-def test_train_end_to_end(tmp_path, capsys):
+def test_train_end_to_end(tmp_path, capsys, monkeypatch):
     nvme, out = tmp_path / "nvme", tmp_path / "out"
     nvme.mkdir()
+    given = []
+    initialize = offload.initialize
+    monkeypatch.setattr(offload, "initialize", lambda *a, **kw: given.append(kw) or initialize(*a, **kw))
     assert main(["train", "--model", "tiny", "--steps", "8", "--nvme-path", str(nvme), "--out", str(out)]) == 0
+    # GPT-2's recipe: weight decay on the matrices, none on biases and norm gains.
+    decayed, exempt = given[0]["param_groups"]
+    assert "weight_decay" not in decayed and {p.dim() for p in decayed["params"]} == {2}
+    assert exempt["weight_decay"] == 0.0 and {p.dim() for p in exempt["params"]} == {1}
     printed = capsys.readouterr().out
     assert str(out / "summary.json") in printed and str(out / "loss.png") in printed
     s = summary_of(out)
@@ -45,6 +53,7 @@ def test_train_end_to_end(tmp_path, capsys):
     # in flight when the next step wants it is taken from its buffer, not reread.)
     assert s["disk_bytes_per_step"]["bytes_written"] > 0 and s["bytes_per_tier"]["nvme"] > 0
     assert s["config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert s["weight_decay"] == "0.01 on weight matrices, none on biases and norm gains"
     assert (out / "loss.png").read_bytes()[:8] == PNG
     assert os.listdir(nvme) == []
 

@@ -13,6 +13,8 @@ of output names the config, the swap directory and the output directory.
 The learning rate warms up linearly over the first tenth of the steps, then
 decays along a cosine to a tenth of the config's ``optimizer.params.lr``,
 unless the config has a ``scheduler`` section: then that schedule sets it.
+The config's weight decay applies to the weight matrices only, as in GPT-2
+recipes: biases and norm gains take none.
 The progress bar shows the loss, tokens/s, the step time split into compute
 (forward and backward), optimizer (CPU Adam), swap (waiting for the disk) and
 the rest, and the bytes held per tier. At the end, a summary JSON and a
@@ -248,7 +250,10 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     torch.manual_seed(args.seed)
     with offload.init(config):
         model = GPT(model_config)
-    engine = made.engine = offload.initialize(model, config, init_fn=model.init_module)
+    # As GPT-2 recipes do: weight decay on the matrices, none on biases and norm gains.
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    engine = made.engine = offload.initialize(model, config, init_fn=model.init_module, param_groups=groups)
     accumulation = config.gradient_accumulation_steps
     tokens_per_step = data.batch_size * data.seq_len * accumulation * world
     evals = data.eval_batches(EVAL_BATCHES)
@@ -294,6 +299,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "config": dataclasses.asdict(config), "losses": losses,
         "lr_schedule": f"the config's scheduler, {config.scheduler.type}" if engine.schedule else
                        "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
+        "weight_decay": f"{config.optimizer.params.weight_decay} on weight matrices, none on biases and norm gains",
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "tokens_per_s": tokens_per_step / statistics.median(r["wall"] for r in measured),
         "seconds_per_step": {k: statistics.median(r[k] for r in measured)

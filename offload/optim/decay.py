@@ -26,8 +26,9 @@ class DecayRuns:
 
     def __post_init__(self) -> None:
         previous = 0
-        for lo, hi, value in self.runs:
-            require(previous <= lo < hi, f"decay runs must be non-empty, increasing and disjoint, got {self.runs}")
+        for k, (lo, hi, value) in enumerate(self.runs):
+            require(previous <= lo < hi, f"decay run {k} is [{lo}, {hi}) after one ending at {previous}; runs must "
+                                         "be non-empty, increasing and disjoint")
             require(math.isfinite(value) and value >= 0, f"weight_decay must be finite and >= 0, got {value}")
             previous = hi
 

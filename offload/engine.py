@@ -210,6 +210,15 @@ class Engine:
         self.weights.begin_pass()
         return self.module(*args, **kwargs)
 
+    def train(self, mode: bool = True) -> Engine:
+        """The model's training mode (``module.train(mode)``), as DeepSpeed's engine offers it."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """The model's evaluation mode (``module.eval()``): dropout off."""
+        return self.train(False)
+
     def backward(self, loss, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
         unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
@@ -356,6 +365,15 @@ class Engine:
         """The learning rate of the next optimizer step: set it each step to
         schedule it (warm-up, decay), unless the config's ``scheduler`` does."""
         return self.optimizer.lr
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's form of ``lr``: one rate per parameter group (they share it here)."""
+        return [self.lr]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's gradient norm before clipping, as DeepSpeed's engine
+        gives it; computed only for clipping or fp16 (None without either)."""
+        return self.last_grad_norm
 
     @lr.setter
     def lr(self, value: float) -> None:

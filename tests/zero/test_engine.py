@@ -379,3 +379,18 @@ def test_an_io_error_from_the_kernel_fails_the_step_and_the_last_checkpoint_load
         fresh.backward(fresh(batch(1, 0, 0)))
         fresh.step()
     assert [n for n in os.listdir(tmp_path) if n.startswith("offload-run-")] == []
+
+
+def test_deepspeeds_engine_methods(tmp_path):
+    """train/eval, get_lr and get_global_grad_norm, as a DeepSpeed loop calls them."""
+    cfg = config(2, "cpu", 1)
+    ref = train_reference(make_model(), 3, 1, 1, cfg)
+    with train_engine(make_model(), 3, 1, cfg) as engine:
+        assert engine.get_global_grad_norm() == pytest.approx(ref.grad_norms[-1], rel=1e-5)
+        assert engine.eval() is engine and not any(m.training for m in engine.module.modules())
+        assert engine.train() is engine and all(m.training for m in engine.module.modules())
+        engine.lr = 1.5e-4
+        assert engine.get_lr() == [1.5e-4]
+    cfg["gradient_clipping"] = 0.0
+    with train_engine(make_model(), 1, 1, cfg) as engine:
+        assert engine.get_global_grad_norm() is None  # nothing needed the norm

@@ -68,7 +68,10 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from offload.config import Config
+from offload.errors import UsageError
 from offload.models.gpt import GPTConfig
 from offload.models.llama import LlamaConfig
 from offload.optim.state_format import StateFormat
@@ -122,6 +125,37 @@ class ModelShape:
         """The shape of a bundled model's config (anything with ``param_sizes()``)."""
         sizes = c.param_sizes()
         return ModelShape(sum(sizes), max(sizes), "model config", tuple(sizes))
+
+    @staticmethod
+    def from_hf_config(path: str) -> ModelShape:
+        """A Hugging Face model's exact shape from its ``config.json`` (or the
+        directory holding it): the model its ``architectures`` names (else a
+        causal LM, else the base model) built on the meta device, so nothing
+        is allocated or downloaded. A weight tied to another counts once."""
+        try:
+            import transformers
+        except ImportError:
+            raise UsageError(f"{path} is a Hugging Face model config; reading it needs transformers "
+                             "(pip install transformers)") from None
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # a class's advice on standalone use is not for us
+        try:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or ()]
+            with torch.device("meta"):
+                if named and named[0] is not None:
+                    model = named[0](config)
+                else:
+                    try:
+                        model = transformers.AutoModelForCausalLM.from_config(config)
+                    except ValueError:  # no causal LM of this type (an encoder, a vision model)
+                        model = transformers.AutoModel.from_config(config)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: transformers cannot build a model from it ({exc})") from None
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        sizes = tuple(p.numel() for p in model.parameters())
+        return ModelShape(sum(sizes), max(sizes), f"{type(model).__name__} from {path}", sizes)
 
     @staticmethod
     def from_count(params: int) -> ModelShape:

@@ -50,6 +50,30 @@ def test_estimate_cli_counts_a_loras_trained_parameters(capsys):
     assert stage2["per_rank"]["device"]["weights"] == 2 * 7_000_000_000
 
 
+def test_a_hugging_face_config_gives_the_models_exact_shape(tmp_path, capsys):
+    """Its config.json or its directory, built on the meta device: the shape of
+    the model itself, a tied weight counted once."""
+    transformers = pytest.importorskip("transformers")
+    configs = {"llama": transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                                 architectures=["LlamaForCausalLM"]),
+               "gpt2": transformers.GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=200, n_positions=32)}
+    for name, config in configs.items():
+        config.save_pretrained(tmp_path / name)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        sizes = sorted(p.numel() for p in model.parameters())
+        for given in (tmp_path / name, tmp_path / name / "config.json"):
+            shape = ModelShape.from_hf_config(str(given))
+            assert sorted(shape.sizes) == sizes and shape.params == sum(sizes) and shape.largest == sizes[-1]
+            assert shape.source == f"{type(model).__name__} from {given}"
+    assert main(["estimate", "--model-config", str(tmp_path / "gpt2"), "--stage", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["params"] == ModelShape.from_hf_config(str(tmp_path / "gpt2")).params
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(offload.errors.UsageError, match="empty: transformers cannot build a model from it"):
+        ModelShape.from_hf_config(str(tmp_path / "empty"))
+
+
 def test_hand_computed_offload_cases():
     P, N = 1_000_000_000, 4  # n = 250M owned elements per rank
     n = 250e6

@@ -1,6 +1,6 @@
 """``offload estimate``: memory per tier and traffic per step, for every setup.
 
-For a model (a parameter count, or a model-config JSON for exact shapes) on
+For a model (a parameter count, or a Hugging Face config.json for exact shapes) on
 N GPUs: first the ZeRO paper's model-state bytes per GPU for stages 1-3, then,
 for every stage x optimizer tier x weight tier this engine supports, the bytes
 per GPU (per rank), CPU and NVMe (per node), with the engine's buffers sized
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from offload import Config
 from offload.cli.args import byte_size, count, gpt_config, positive_int
@@ -48,19 +49,36 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=count, help="parameter count, e.g. 13B")
-    model.add_argument("--model-config", help="GPT model-config JSON (n_layer, n_head, n_embd, block_size, vocab_size), "
-                       "or a bundled size name")
+    model.add_argument("--model-config", help="a Hugging Face model's config.json or its directory (exact shapes; "
+                       "needs transformers), a bundled GPT's model-config JSON (n_layer, n_head, n_embd, block_size, "
+                       "vocab_size), or a bundled size name")
     p.add_argument("--trainable", type=count, default=None,
                    help="parameters trained, of the model's (a LoRA's adapters, e.g. 40M): the rest are frozen, "
                         "with weights but no gradient or optimizer state (default: all)")
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
-    shape = ModelShape.from_count(args.params) if args.params is not None else \
-        ModelShape.from_config(gpt_config(args.model_config))
+    if args.params is not None:
+        shape = ModelShape.from_count(args.params)
+    elif _is_hf_config(args.model_config):
+        shape = ModelShape.from_hf_config(args.model_config)
+    else:
+        shape = ModelShape.from_config(gpt_config(args.model_config))
     if args.trainable is not None and not 0 < args.trainable <= shape.params:
         raise UsageError(f"--trainable {args.trainable:,} must be between 1 and the model's {shape.params:,} parameters")
     return shape.with_trainable(args.trainable)
+
+
+def _is_hf_config(choice: str) -> bool:
+    """A model directory, or a JSON file that names its ``model_type`` as Hugging Face configs do."""
+    if os.path.isdir(choice):
+        return True
+    try:
+        with open(choice) as f:
+            values = json.load(f)
+    except (OSError, ValueError):
+        return False  # gpt_config says what is wrong with it
+    return isinstance(values, dict) and "model_type" in values
 
 
 def load_config(path: str | None) -> Config:

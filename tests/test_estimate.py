@@ -219,7 +219,8 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     nvme.mkdir()
     assert main(["plan", "--params", "100K", "--nvme-path", str(nvme), "--bench-size", "8M", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "chosen: stage 2, optimizer none" in printed and f"wrote {out}" in printed
+    assert "chosen: stage 2, optimizer none" in printed
+    assert printed.strip().endswith(f'wrote {out}; use it: engine = offload.initialize(model, "{out}")')
     assert main(["train", "--config", str(out), "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
 
 
@@ -232,7 +233,9 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     ram = 32_000_000
     monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, ram, 10**9, 1.0, 1.0))
     assert main(["plan", "--model-config", "small", "--nvme-path", str(nvme), "--out", str(out)]) == 0
-    assert "chosen: stage 3, optimizer nvme, weights nvme" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "chosen: stage 3, optimizer nvme, weights nvme" in printed
+    assert printed.strip().endswith(f"use it: offload train --config {out} --model small")
     assert main(["train", "--config", str(out), "--model", "small", "--steps", "3", "--out", str(tmp_path / "run")]) == 0
     with open(tmp_path / "run" / "summary.json") as f:
         summary = json.load(f)

@@ -60,7 +60,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_shape(args: argparse.Namespace) -> ModelShape:
     if args.params is not None:
         shape = ModelShape.from_count(args.params)
-    elif _is_hf_config(args.model_config):
+    elif is_hf_config(args.model_config):
         shape = ModelShape.from_hf_config(args.model_config)
     else:
         shape = ModelShape.from_config(gpt_config(args.model_config))
@@ -69,7 +69,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     return shape.with_trainable(args.trainable)
 
 
-def _is_hf_config(choice: str) -> bool:
+def is_hf_config(choice: str) -> bool:
     """A model directory, or a JSON file that names its ``model_type`` as Hugging Face configs do."""
     if os.path.isdir(choice):
         return True

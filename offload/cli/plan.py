@@ -25,7 +25,7 @@ import torch
 from offload import Config
 from offload.cli import bench_swap
 from offload.cli.args import byte_size, output_file, positive_int
-from offload.cli.estimate import add_model_arguments, model_shape
+from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
 from offload.errors import UsageError
 from offload.optim.state_format import STATE_DTYPES
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
@@ -158,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"config": raw, "config_path": args.out, "why": why, "machine": machine.__dict__,
                           "estimate": e.to_json()}, indent=1))
     else:
-        print("\n".join(why + [f"wrote {args.out}; try it: offload train --config {args.out}"]))
+        bundled = args.model_config is not None and not is_hf_config(args.model_config)
+        use = f"offload train --config {args.out} --model {args.model_config}" if bundled else \
+            f'engine = offload.initialize(model, "{args.out}")'
+        print("\n".join(why + [f"wrote {args.out}; use it: {use}"]))
     return 0
 
 

@@ -45,7 +45,7 @@ from offload.zero.consolidate import (
     owned_ranges,
 )
 from offload.zero.grads import GradientReducer
-from offload.param_groups import owned_decay, weight_decay_by_name
+from offload.param_groups import Grouping, owned_decay, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import is_meta, materialize
@@ -71,8 +71,8 @@ class Engine:
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")
         # Before anything replaces a parameter: the groups name the user's own.
-        decay = {} if param_groups is None else weight_decay_by_name(model, param_groups,
-                                                                     config.optimizer.params.weight_decay)
+        grouping = Grouping({}, 1) if param_groups is None else resolve(model, param_groups, config.optimizer.params)
+        self._group_count = grouping.count
         self.module = model
         self.config = config
         if is_meta(model):
@@ -110,7 +110,7 @@ class Engine:
         # Note [overlapped step]: up to buffer_count sub-groups are speculated per step.
         self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer,
                                         speculated=offload.buffer_count if overlap else 0,
-                                        decay=owned_decay(self.layout, decay))
+                                        decay=owned_decay(self.layout, grouping.decay))
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,
@@ -368,7 +368,7 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's form of ``lr``: one rate per parameter group (they share it here)."""
-        return [self.lr]
+        return [self.lr] * self._group_count
 
     def get_global_grad_norm(self) -> float | None:
         """The last step's gradient norm before clipping, as DeepSpeed's engine

@@ -297,7 +297,9 @@ class OffloadTrainer(transformers.Trainer):
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
         init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
-        # As plain Trainer's optimizer: biases and norm weights take no weight decay.
+        # As plain Trainer's optimizer: biases and norm weights take no weight decay. Its hook
+        # runs before Trainer.__init__ (the engine comes first), so what an override reads is set.
+        self.args, self.model = args, model
         decayed = set(self.get_decay_parameter_names(model))
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in trained if n in decayed]},

@@ -7,9 +7,11 @@ optimizer groups: ``[{"params": decayed, "weight_decay": 0.1}, {"params":
 rest, "weight_decay": 0.0}]``. ``offload.initialize(param_groups=...)`` takes
 exactly that. A group without ``weight_decay`` takes the config's
 ``optimizer.params.weight_decay``; every other hyper-parameter is the config's
-for all groups, and a group that sets one is refused by name rather than
-ignored. A trainable parameter in no group is refused too: torch would leave
-it untrained, which is rarely what was meant (freeze it instead). The decay
+for all groups: a group that sets one to another value is refused by name
+rather than ignored, and a key offload does not know is warned about (torch's
+own implementation flags and labels are passed over). A trainable parameter
+in no group is refused too: torch would leave it untrained, which is rarely
+what was meant (freeze it instead). The decay
 reaches the CPU Adam as runs of the owned shard (``owned_decay``; Note
 [weight decay by run] in native/adam_args.h), so grouping costs no layout of
 its own and no extra pass.
@@ -18,11 +20,15 @@ its own and no extra pass.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from offload.config import AdamParams
 from offload.errors import UsageError, in_brief
 from offload.optim.decay import DecayRuns
 from offload.zero.layout import FlatLayout
@@ -30,48 +36,64 @@ from offload.zero.layout import FlatLayout
 GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
-def weight_decay_by_name(model: torch.nn.Module, groups: GroupsLike, default: float) -> dict[str, float]:
+# Torch's own group keys that choose an implementation, and labels (torch
+# stores param_names; DeepSpeed's MoE marks groups with moe): nothing to apply.
+IGNORED = {"name", "param_names", "moe", "foreach", "fused", "capturable", "differentiable", "initial_lr"}
+
+
+@dataclass(frozen=True)
+class Grouping:
+    decay: dict[str, float]  # trainable parameter name -> weight decay, where not the config's
+    count: int  # groups given
+
+
+def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> Grouping:
     """The weight decay ``groups`` gives each trainable parameter of ``model``
-    (by its ``named_parameters`` name) where that differs from ``default``
-    (the config's ``optimizer.params.weight_decay``)."""
+    (by its ``named_parameters`` name) where that differs from the config's
+    ``params.weight_decay``. A group key that sets another hyper-parameter
+    to a value not the config's is an error; one offload does not know, a
+    warning."""
     names = {id(p): n for n, p in model.named_parameters()}
+    shared = {"lr": params.lr, "betas": tuple(params.betas), "eps": params.eps, "amsgrad": False,
+              "maximize": False, "decoupled_weight_decay": params.adam_w_mode}
     seen: dict[int, int] = {}  # id(parameter) -> its group
     decay: dict[str, float] = {}
-    for index, group in enumerate(_groups(groups)):
+    groups = _groups(groups)
+    for index, group in enumerate(groups):
         where = f"param_groups[{index}]"
-        extra = sorted(set(group) - {"params", "weight_decay"})
-        if extra:
-            raise UsageError(f"{where} sets {', '.join(map(repr, extra))}: offload takes every hyper-parameter but "
-                             "weight_decay from the config's optimizer.params, the same for all groups; drop it there")
-        value = group.get("weight_decay", default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise UsageError(f"{where}['weight_decay'] is {value!r}; give a finite number >= 0")
-        params = group["params"]
-        for p in [params] if isinstance(params, torch.Tensor) else params:
+        for key in sorted(set(group) - {"params", "weight_decay"} - IGNORED):
+            if key not in shared:
+                warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes weight_decay "
+                              "per group and every other hyper-parameter from the config)", UserWarning, stacklevel=4)
+            elif not _same(_value(group[key]), shared[key]):
+                raise UsageError(f"{where} sets {key} {group[key]!r} where the config's optimizer.params has "
+                                 f"{shared[key]!r}: offload takes every hyper-parameter but weight_decay from the "
+                                 "config, the same for all groups; drop it from the group")
+        value = _weight_decay(group.get("weight_decay", params.weight_decay), where)
+        for p in _tensors(group["params"]):
             if not isinstance(p, torch.Tensor) or id(p) not in names:
                 what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
                 raise UsageError(f"{where}['params'] holds {what} that is not a parameter of the model given to "
                                  "initialize; build the groups from that model's named_parameters()")
-            if id(p) in seen:
+            if seen.setdefault(id(p), index) != index:
                 raise UsageError(f"{names[id(p)]} is in param_groups[{seen[id(p)]}] and in {where}; "
                                  "put each parameter in one group")
-            seen[id(p)] = index
-            if float(value) != default:
-                decay[names[id(p)]] = float(value)
+            if value != params.weight_decay:
+                decay[names[id(p)]] = value
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
         raise UsageError(f"param_groups leaves out the trainable parameters {in_brief(missing)}; put them in a "
                          "group, or freeze them (requires_grad_(False)) if they are not to be trained")
-    return decay
+    return Grouping(decay, len(groups))
 
 
 def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
-    """Torch's forms: parameters (one group), or dicts each with ``params``."""
+    """Torch's forms: parameters or (name, parameter) pairs (one group), or dicts each with ``params``."""
     if isinstance(groups, (torch.Tensor, dict)):
         raise UsageError("param_groups takes a list of parameters or of dicts with 'params' (as torch optimizers "
                          f"do), got a {type(groups).__name__}; wrap it in a list")
     groups = list(groups)
-    if all(isinstance(g, torch.Tensor) for g in groups):
+    if all(isinstance(p, torch.Tensor) or _is_pair(p) for p in groups):
         return [{"params": groups}]
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -79,6 +101,41 @@ def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
                              f"{' without params' if isinstance(group, dict) else ''}; give every group as a dict "
                              "with 'params' (and optionally 'weight_decay'), or a plain list of parameters")
     return groups
+
+
+def _tensors(params) -> list:
+    """A group's parameters: one tensor, or parameters or (name, parameter) pairs."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if _is_pair(p) else p for p in params]
+
+
+def _is_pair(item) -> bool:
+    """(name, parameter), as named_parameters gives them."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
+
+
+def _value(value):
+    """A group's setting as the config holds it: a list as a tuple, a one-element tensor as a number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return tuple(_value(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _same(given, config) -> bool:
+    """Equal, numbers to fp32's precision (a setting given as a float32 tensor)."""
+    if isinstance(given, tuple) and isinstance(config, tuple):
+        return len(given) == len(config) and all(map(_same, given, config))
+    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (given, config)):
+        return math.isclose(given, config, rel_tol=1e-6)
+    return given == config
+
+
+def _weight_decay(value, where: str) -> float:
+    value = _value(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{where}['weight_decay'] is {value!r}; give a finite number >= 0")
+    return float(value)
 
 
 def owned_decay(layout: FlatLayout, decay: dict[str, float]) -> DecayRuns:

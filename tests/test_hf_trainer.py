@@ -53,6 +53,22 @@ def test_offload_trainer_gives_the_losses_of_plain_trainer(tmp_path, stage):
     assert os.listdir(tmp_path / "nvme") == []
 
 
+def test_an_override_of_get_decay_parameter_names_is_honoured(tmp_path):
+    from offload.hf import OffloadTrainer
+
+    class AllDecayed(OffloadTrainer):
+        def get_decay_parameter_names(self, model):
+            assert self.args.weight_decay == run.WEIGHT_DECAY  # an override may read the trainer's state
+            return [n for n, _ in model.named_parameters()]
+
+    trainers = [cls(model=run.tiny_gpt2(), args=run.arguments(str(tmp_path)), train_dataset=run.Tokens(),
+                    offload_config=run.offload_config(2), nvme_path=str(tmp_path)) for cls in (AllDecayed, OffloadTrainer)]
+    runs = [trainer.engine.optimizer.decay.runs for trainer in trainers]
+    for trainer in trainers:
+        trainer.engine.close()
+    assert runs[0] == () and runs[1] and all(value == 0.0 for *_, value in runs[1])
+
+
 @pytest.mark.parametrize("stage, lora", [(2, False), (3, False), (3, True)], ids=["stage2", "stage3", "stage3-lora"])
 def test_two_ranks_give_the_losses_of_plain_trainer_under_ddp(tmp_path, stage, lora):
     if lora:

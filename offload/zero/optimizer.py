@@ -124,8 +124,13 @@ class DeviceOptimizer(ShardOptimizer):
         self._master = torch.zeros(numel, device=device)
         self._master.grad = torch.zeros_like(self._master)
         cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
-        # Weight decay by parameter is applied in step(), the way torch's Adam and AdamW apply it.
+        # Weight decay by parameter is applied in step(), the way torch's Adam and AdamW apply it,
+        # to the spans of each weight decay at once (a kernel launch per value, not per span).
         self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=0.0)
+        self._decayed: dict[float, list[tuple[int, int]]] = {}
+        for lo, hi, decay in self.decay.spans(numel, p.weight_decay):
+            if decay:
+                self._decayed.setdefault(decay, []).append((lo, hi))
 
     @ShardOptimizer.lr.setter
     def lr(self, value: float) -> None:
@@ -154,11 +159,12 @@ class DeviceOptimizer(ShardOptimizer):
             grad.done(i)
         self._master.grad.mul_(grad_scale)
         hyper = hyper or self.hyper
-        for lo, hi, decay in self.decay.spans(self.numel, hyper.weight_decay):
-            if decay and hyper.decoupled:
-                self._master[lo:hi].mul_(1 - hyper.lr * decay)
-            elif decay:
-                self._master.grad[lo:hi].add_(self._master[lo:hi], alpha=decay)
+        for decay, spans in self._decayed.items():
+            master = [self._master[lo:hi] for lo, hi in spans]
+            if hyper.decoupled:
+                torch._foreach_mul_(master, 1 - hyper.lr * decay)
+            else:
+                torch._foreach_add_([self._master.grad[lo:hi] for lo, hi in spans], master, alpha=decay)
         for group in self._torch_opt.param_groups:
             group["lr"] = hyper.lr
         self._torch_opt.step()

@@ -5,6 +5,9 @@ refused by name."""
 
 import copy
 import os
+import warnings
+
+import numpy as np
 
 import pytest
 import torch
@@ -98,7 +101,10 @@ def _refused(groups_of, message, model=None):
 
 def test_bad_groups_are_refused_by_name():
     _refused(lambda m: [{"params": list(m.parameters()), "lr": 1e-4}],
-             r"param_groups\[0\] sets 'lr': offload takes every hyper-parameter but weight_decay")
+             r"param_groups\[0\] sets lr 0.0001 where the config's optimizer.params has 0.003: offload takes every "
+             "hyper-parameter but weight_decay from the config")
+    _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 0.999]}],
+             r"param_groups\[0\] sets betas \[0.9, 0.999\] where the config's optimizer.params has \(0.9, 0.99\)")
     _refused(lambda m: [{"params": list(m.parameters()), "weight_decay": -0.1}],
              r"param_groups\[0\]\['weight_decay'\] is -0.1")
     _refused(lambda m: [{"params": list(m.parameters())}, {"params": [m.gain]}],
@@ -109,6 +115,32 @@ def test_bad_groups_are_refused_by_name():
              r"holds a tensor of shape \(3,\) that is not a parameter of the model")
     _refused(lambda m: [list(m.parameters())], r"param_groups\[0\] is list; give every group as a dict")
     _refused(lambda m: {"params": list(m.parameters())}, "got a dict; wrap it in a list")
+
+
+def test_the_forms_torch_takes_are_taken(tmp_path):
+    """Pairs from named_parameters, labels and implementation flags, the config's
+    own values, one tensor, numpy and tensor decays, a parameter twice in its group."""
+    forms = {
+        "named": lambda m: m.named_parameters(),
+        "labelled": lambda m: [{"params": list(m.named_parameters()), "name": "all", "param_names": [], "fused": None,
+                                "lr": 3e-3, "betas": (0.9, 0.99), "eps": torch.tensor(1e-8), "amsgrad": False,
+                                "weight_decay": np.float32(0.0)}],
+        "one tensor": lambda m: [{"params": m.gain, "weight_decay": torch.tensor(0.0)},
+                                 {"params": [p for p in m.parameters() if p is not m.gain] + [m.norm.bias]}],
+    }
+    runs = {"named": (), "labelled": ((0, 3336, 0.0),), "one tensor": ((0, 24, 0.0),)}
+    for name, groups_of in forms.items():
+        model = make_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=groups_of(model)) as engine:
+                assert engine.optimizer.decay.runs == runs[name], name
+                assert engine.get_lr() == [3e-3] * len(list(groups_of(model)) if name != "named" else [0])
+        assert not [w for w in caught if "param_groups" in str(w.message)], name
+    model = make_model()
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] has 'weight_dacay', which offload does not read"):
+        offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=[
+            {"params": model.parameters(), "weight_dacay": 0.0}]).close()
 
 
 def test_frozen_parameters_need_no_group(tmp_path):

@@ -264,7 +264,7 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
                          "versions' _init_weights leave buffers such as rotary frequencies unset on a model built "
                          "on the meta device; pip install -U 'transformers>=5'")
     model_config = model_class.config_class.from_pretrained(path)
-    with offload.init(config):
+    with offload.init(config, nvme_path=nvme_path):
         model = model_class(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,
                               allow_missing=allow_missing,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import itertools
 import json
+import math
 import os
 from collections.abc import Iterable
 
@@ -84,9 +85,25 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
         written.append(INDEX)
     if write:
         for name, text in configs.items():
-            _write_atomic(os.path.join(directory, name), text.encode())
+            _write_atomic(os.path.join(directory, name), (_saved_dtype(text, plan) if name == CONFIGS[0] else text).encode())
             written.append(name)
     return written
+
+
+def _saved_dtype(config: str, plan: Plan) -> str:
+    """The model config with the dtype of the weights written (that of most of
+    their floating elements), as transformers' own save_pretrained records it,
+    so ``from_pretrained`` loads them back in that dtype, not the training one."""
+    elements: dict[torch.dtype, int] = {}
+    for _, dtype, shape in plan:
+        if dtype.is_floating_point:
+            elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
+    values = json.loads(config)
+    if not elements or not isinstance(values, dict):
+        return config
+    key = "torch_dtype" if "torch_dtype" in values and "dtype" not in values else "dtype"  # transformers < 5: torch_dtype
+    values[key] = str(max(elements, key=elements.get)).removeprefix("torch.")
+    return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
 def _write_atomic(path: str, data: bytes) -> None:

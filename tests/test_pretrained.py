@@ -287,10 +287,11 @@ def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path,
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     os.makedirs(tmp_path / "nvme")
-    cfg = config(3, "nvme", 1, str(tmp_path / "nvme"), param_device="nvme")
+    cfg = config(3, "nvme", 1, param_device="nvme")
+    del cfg["zero_optimization"]["offload_param"]["nvme_path"]  # given below, as initialize takes it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = offload.from_pretrained(type(model), str(tmp_path / "hf"), cfg)
+        engine = offload.from_pretrained(type(model), str(tmp_path / "hf"), cfg, nvme_path=str(tmp_path / "nvme"))
     with engine:
         engine.module.eval()
         with torch.no_grad():
@@ -303,9 +304,12 @@ def test_from_pretrained_loads_what_the_engine_trained(tmp_path, build):
     torch.manual_seed(0)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(99))
     with _engine(build()) as engine:
+        engine.module.config.dtype = torch.float32  # as a model from from_pretrained records it
         _train(engine)
         engine.save_pretrained(str(tmp_path / "model"), max_shard_bytes=50_000)
+        engine.save_pretrained(str(tmp_path / "model-bf16"), dtype=torch.bfloat16)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
+        trained = engine.state_dict()
         engine.module.eval()  # as from_pretrained returns it: no dropout
         with torch.no_grad():
             expected = engine(input_ids=ids).logits
@@ -315,6 +319,13 @@ def test_from_pretrained_loads_what_the_engine_trained(tmp_path, build):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / directory))
         with torch.no_grad():
             assert torch.equal(loaded(input_ids=ids).logits, expected), directory
+    # Saved in bf16, the model comes back in bf16, as after transformers' own save_pretrained.
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported-bf16"), "--dtype", "bfloat16"]) == 0
+    for directory in ("model-bf16", "exported-bf16"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / directory))
+        assert loaded.dtype == torch.bfloat16, directory
+        state = loaded.state_dict()
+        assert all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in trained.items()), directory
 
 
 _LOAD_SCRIPT = """

@@ -182,9 +182,20 @@ class _ReadReporting(dict):
         return dict, (dict(self),)
 
 
-def _eager(hook: Callable) -> Callable:
-    """Note [stage 3 under torch.compile]."""
-    return torch.compiler.disable(hook, recursive=True)
+class _eager:
+    """A hook run eagerly under torch.compile (Note [stage 3 under torch.compile]).
+    Pickled as the hook itself, so ``torch.save(model)`` meets the weights'
+    refusal (``__reduce_ex__`` below) rather than failing on the wrapper."""
+
+    def __init__(self, hook: Callable) -> None:
+        self.hook = hook
+        self._run = torch.compiler.disable(hook, recursive=True)
+
+    def __call__(self, *args, **kwargs):
+        return self._run(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return _eager, (self.hook,)
 
 
 def _grad_tensors(value) -> list[torch.Tensor]:

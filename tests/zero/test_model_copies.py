@@ -77,6 +77,12 @@ def test_copying_a_partitioned_model_is_refused_by_name_and_works_after_close(tm
     with offload.initialize(make_model(), cfg) as gathered:
         with pytest.raises(UsageError, match="would copy the engine with its hooks"):
             copy.deepcopy(gathered.module)
+    # A root holding no parameter of its own: the first thing pickled is a hook.
+    wrapped = torch.nn.Sequential(make_model())
+    with offload.initialize(wrapped, config(3, "cpu", 1, param_device="cpu")):
+        for whole_model in (copy.deepcopy, lambda m: torch.save(m, io.BytesIO())):
+            with pytest.raises(UsageError, match="copy the model before offload.initialize"):
+                whole_model(wrapped)
     copied = copy.deepcopy(model)
     assert all(torch.equal(v, expected[k]) for k, v in copied.state_dict().items())
     assert type(model.embed._parameters) is dict

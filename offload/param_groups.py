@@ -89,7 +89,10 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> G
 
 def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
     """Torch's forms: parameters or (name, parameter) pairs (one group), or dicts each with ``params``."""
-    if isinstance(groups, (torch.Tensor, dict)):
+    if isinstance(groups, torch.nn.Module):
+        raise UsageError(f"param_groups was given the model ({type(groups).__name__}); pass model.parameters(), or a "
+                         "list of dicts with 'params' (and optionally 'weight_decay')")
+    if isinstance(groups, (torch.Tensor, dict)) or not isinstance(groups, Iterable):
         raise UsageError("param_groups takes a list of parameters or of dicts with 'params' (as torch optimizers "
                          f"do), got a {type(groups).__name__}; wrap it in a list")
     groups = list(groups)

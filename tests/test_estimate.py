@@ -4,6 +4,7 @@ engine itself reports (memory per tier, bytes moved to disk) on a real model."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -224,6 +225,16 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     assert main(["train", "--config", str(out), "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
 
 
+def test_when_nothing_fits_plan_names_what_is_short(monkeypatch, capsys):
+    """13B parameters need 208 GB of disk with everything on it: a disk of 100 GB is the limit, not the RAM."""
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, 64 * 10**9, 100 * 10**9, 1.0, 1.0))
+    assert main(["plan", "--params", "13B", "--nvme-path", "/tmp"]) == 1
+    printed = capsys.readouterr().out
+    needed = re.search(r"needs ([\d.]+) GB of RAM and ([\d.]+) GB on disk", printed)
+    assert float(needed[1]) < 0.8 * 64 and float(needed[2]) > 0.9 * 100, printed
+    assert "against 64.0 GB of RAM available and 100.0 GB free on disk" in printed
+
+
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
 def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_path, monkeypatch, capsys):
     """On a (pretended) machine with 32 MB of RAM and no GPU, the 1.9M-parameter
@@ -250,7 +261,7 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate", "--params", "lots"], "is not a count"),
     (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
-    (["estimate", "--model-config", "huge"], "neither a bundled size"),
+    (["estimate", "--model-config", "huge"], "is neither a Hugging Face model directory or config.json"),
     (["estimate", "--params", "1B", "--trainable", "2B"], "--trainable 2,000,000,000 must be between 1 and"),
     (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
     (["plan", "--params", "1B", "--out", "/nonexistent/plan.json"], "does not exist; create it first"),

@@ -251,7 +251,7 @@ def _write(tmp_path, name, text):
 @pytest.mark.parametrize("case", ["steps", "model", "model_json", "config_missing", "config_json", "config_key",
                                   "seq_len", "nvme_path", "config_nvme_path", "export_missing", "config_array",
                                   "config_directory", "model_vocab", "model_bool", "out_is_a_file", "seed",
-                                  "export_out_directory"])
+                                  "export_out_directory", "export_out_new_directory", "export_hf_file"])
 def test_bad_input_exits_2_with_one_line(tmp_path, case):
     argv, message = {
         "steps": (["train", "--steps", "0"], "must be >= 1"),
@@ -272,6 +272,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "out_is_a_file": (["train", "--out", _write(tmp_path, "file", "")], "cannot create it"),
         "seed": (["train", "--seed", str(10**20)], "must be in [0, 2**32)"),
         "export_out_directory": (["export", str(tmp_path), "--out", str(tmp_path)], "is a directory; name the file"),
+        "export_out_new_directory": (["export", str(tmp_path), "--out", str(tmp_path / "new") + os.sep],
+                                     "is a directory; name the file"),
+        "export_hf_file": (["export", str(tmp_path), "--hf", _write(tmp_path, "config.json", "{}")],
+                           "is a file; name a directory to write the model into"),
     }[case]
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

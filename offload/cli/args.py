@@ -30,8 +30,18 @@ def count(text: str) -> int:
 
 def output_file(text: str) -> str:
     """A file to write: not a directory, in a directory that exists (checked before any work)."""
-    if os.path.isdir(text):
+    if os.path.isdir(text) or text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write in it")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
+    return text
+
+
+def output_directory(text: str) -> str:
+    """A directory to write into: it may exist, as a directory, or be made in one that exists."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file; name a directory to write the model into")
     parent = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")

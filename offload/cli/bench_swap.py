@@ -547,8 +547,7 @@ def sweep(path: str, size: int, backend: str, plot_path: str, progress: bool, to
 
 def aio_block(row: dict) -> str:
     return json.dumps({"aio": {"block_size": row["block_size"], "queue_depth": row["queue_depth"],
-                               "thread_count": row["thread_count"], "single_submit": False,
-                               "overlap_events": True}}, indent=2)
+                               "thread_count": row["thread_count"]}}, indent=2)
 
 
 def _plot(rows: list[dict], path: str) -> str:

@@ -19,6 +19,7 @@ import os
 
 from offload import Config
 from offload.cli.args import byte_size, count, gpt_config, positive_int
+from offload.models.gpt import SIZES, size_name
 from offload.errors import UsageError
 from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
@@ -60,6 +61,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_shape(args: argparse.Namespace) -> ModelShape:
     if args.params is not None:
         shape = ModelShape.from_count(args.params)
+    elif not os.path.exists(args.model_config) and size_name(args.model_config) is None:
+        raise UsageError(f"--model-config {args.model_config!r} is neither a Hugging Face model directory or "
+                         f"config.json, nor a bundled GPT's model-config JSON, nor a bundled size ({', '.join(SIZES)})")
     elif is_hf_config(args.model_config):
         shape = ModelShape.from_hf_config(args.model_config)
     else:

@@ -143,11 +143,14 @@ def run(args: argparse.Namespace) -> int:
     if chosen is None:
         need = estimate(shape, Setup(3, "nvme", "nvme"),
                         Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False, args.state_dtype)),
-                        machine.gpus)
-        where = "" if args.nvme_path else "; pass --nvme-path DIR to consider a disk"
+                        machine.gpus, host_accelerator=machine.gpu_mem is None)
+        ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
+        disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else
+                "no disk: pass --nvme-path DIR to consider one")
         print(f"offload plan: no setup fits {shape.params / 1e9:.3g}B parameters here: even with everything on NVMe it "
-              f"needs {need.node['host'] / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk "
-              f"({machine.cpu_mem / 1e9:.1f} GB RAM available{where})")
+              f"needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
+              f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most {HEADROOM['host']:.0%} "
+              f"of the RAM and {HEADROOM['nvme']:.0%} of the disk)")
         return 1
     raw, e = chosen
     with open(args.out, "w") as f:

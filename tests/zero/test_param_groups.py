@@ -115,6 +115,8 @@ def test_bad_groups_are_refused_by_name():
              r"holds a tensor of shape \(3,\) that is not a parameter of the model")
     _refused(lambda m: [list(m.parameters())], r"param_groups\[0\] is list; give every group as a dict")
     _refused(lambda m: {"params": list(m.parameters())}, "got a dict; wrap it in a list")
+    _refused(lambda m: m, r"param_groups was given the model \(TinyLM\); pass model.parameters\(\)")
+    _refused(lambda m: 0.1, "got a float; wrap it in a list")
 
 
 def test_the_forms_torch_takes_are_taken(tmp_path):

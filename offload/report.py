@@ -68,6 +68,14 @@ class MemoryReport(dict):
         return "\n".join(lines)
 
 
+def human_count(n: float) -> str:
+    """A parameter count as people write it: 950K, 124M, 6.74B (three significant figures)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -36,6 +36,9 @@ def test_estimate_cli_prints_the_papers_figures(capsys):
     assert main(["estimate", "--params", "7.5B", "--gpus", "64"]) == 0
     table = capsys.readouterr().out
     assert "baseline 120.0 GB | stage 1 31.4 GB | stage 2 16.6 GB | stage 3 1.9 GB" in table
+    assert table.startswith("offload estimate: 7.5B parameters")
+    assert main(["estimate", "--params", "121000", "--stage", "1"]) == 0
+    assert capsys.readouterr().out.startswith("offload estimate: 121K parameters")  # not 0.000121B
 
 
 def test_estimate_cli_counts_a_loras_trained_parameters(capsys):

@@ -19,10 +19,11 @@ import os
 
 from offload import Config
 from offload.cli.args import byte_size, count, gpt_config, positive_int
-from offload.models.gpt import SIZES, size_name
 from offload.errors import UsageError
-from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
+from offload.models.gpt import SIZES, size_name
+from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
+from offload.report import human_count
 
 FORMATS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float32", "int8"),
            ("bfloat16", "int8")]  # (master, moments)
@@ -122,7 +123,7 @@ def gb(n: float) -> str:
 
 def report(shape: ModelShape, args, config: Config, state_format: str, paper: dict, rows: list) -> str:
     trained = "" if shape.trainable is None else f", {shape.trained / 1e6:.4g}M of them trained"
-    lines = [f"offload estimate: {shape.params / 1e9:.3g}B parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
+    lines = [f"offload estimate: {human_count(shape.params)} parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
              f"accumulation {config.gradient_accumulation_steps}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "

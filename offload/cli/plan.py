@@ -29,6 +29,7 @@ from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
 from offload.errors import UsageError
 from offload.optim.state_format import STATE_DTYPES
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
+from offload.report import human_count
 from offload.store import AioSettings
 
 # Fraction of each tier a plan may fill: activations, the allocator and the
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
         disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else
                 "no disk: pass --nvme-path DIR to consider one")
-        print(f"offload plan: no setup fits {shape.params / 1e9:.3g}B parameters here: even with everything on NVMe it "
+        print(f"offload plan: no setup fits {human_count(shape.params)} parameters here: even with everything on NVMe it "
               f"needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
               f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most {HEADROOM['host']:.0%} "
               f"of the RAM and {HEADROOM['nvme']:.0%} of the disk)")
@@ -175,7 +176,7 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
     if machine.nvme_free is not None:
         disk = (f", {machine.nvme_free / 1e9:.0f} GB free on NVMe reading {machine.read_gbps:.2f} and writing "
                 f"{machine.write_gbps:.2f} GB/s")
-    lines = [f"{shape.params / 1e9:.3g}B parameters need {total / 1e9:.1f} GB of training state at 16 bytes each; "
+    lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at 16 bytes each; "
              f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
              f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator; per node {e.node['host'] / 1e9:.2f} GB host, "

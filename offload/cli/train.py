@@ -304,7 +304,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "tokens_per_s": tokens_per_step / statistics.median(r["wall"] for r in measured),
         "seconds_per_step": {k: statistics.median(r[k] for r in measured)
                              for k in ("wall", "compute", "optimizer", "swap", "other")},
-        "disk_bytes_per_step": {k: statistics.median(r[k] for r in measured) for k in ("bytes_read", "bytes_written")},
+        "disk_bytes_per_step": {k: statistics.median(r[k] for r in measured) for k in ("bytes_read", "bytes_written")},  # this rank's
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),
         "peak_bytes_per_tier": report.by_tier("peak_bytes"),
@@ -373,8 +373,9 @@ def _report(s: dict, out_dir: str) -> str:
         f"{s['world_size']} rank(s), {s['tokens_per_step']:,} tokens per step",
         f"loss {s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}; held-out {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}",
         f"{s['tokens_per_s']:,.0f} tokens/s; median step {t['wall']:.3f}s: {split}",
-        f"disk per step: {human_bytes(disk['bytes_read'])} read, {human_bytes(disk['bytes_written'])} written; "
-        f"peak per tier (rank 0): {peaks}",
+        f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read, "
+        f"{human_bytes(disk['bytes_written'])} written; peak per tier{' (rank 0)' if s['world_size'] > 1 else ''}: "
+        f"{peaks}",
         f"summary: {os.path.join(out_dir, 'summary.json')}",
         f"loss curve: {os.path.join(out_dir, 'loss.png')}",
     ])

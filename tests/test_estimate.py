@@ -263,6 +263,7 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate"], "one of the arguments --params --model-config is required"),
     (["estimate", "--params", "lots"], "is not a count"),
     (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
+    (["estimate", "--params", "1B", "--gpu-mem", "80"], "'80' would be 80 bytes; give the unit, e.g. 80GiB"),
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
     (["estimate", "--model-config", "huge"], "is neither a Hugging Face model directory or config.json"),
     (["estimate", "--params", "1B", "--trainable", "2B"], "--trainable 2,000,000,000 must be between 1 and"),

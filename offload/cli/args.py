@@ -93,6 +93,14 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def memory_size(text: str) -> int:
+    """A machine's memory or disk, as a byte size; a bare 80 (bytes) is surely a missing unit."""
+    value = byte_size(text)
+    if text.strip().replace(".", "", 1).isdigit() and value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} would be {value} bytes; give the unit, e.g. {text.strip()}GiB")
+    return value
+
+
 def model_name(text: str) -> str:
     """A bundled size's own spelling of ``text`` (``5m`` -> ``5M``); anything else (a JSON path) as given."""
     return size_name(text) or text

@@ -18,7 +18,7 @@ import json
 import os
 
 from offload import Config
-from offload.cli.args import byte_size, count, gpt_config, positive_int
+from offload.cli.args import count, gpt_config, memory_size, positive_int
 from offload.errors import UsageError
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 from offload.models.gpt import SIZES, size_name
@@ -35,9 +35,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     p.add_argument("--gpus", type=positive_int, default=1, help="data-parallel ranks (GPUs) in all (default 1)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
-    p.add_argument("--gpu-mem", type=byte_size, default=None, help="memory per GPU, e.g. 80GiB")
-    p.add_argument("--cpu-mem", type=byte_size, default=None, help="host memory per node, e.g. 512GiB")
-    p.add_argument("--nvme-free", type=byte_size, default=None, help="free NVMe space per node, e.g. 2TiB")
+    p.add_argument("--gpu-mem", type=memory_size, default=None, help="memory per GPU, e.g. 80GiB")
+    p.add_argument("--cpu-mem", type=memory_size, default=None, help="host memory per node, e.g. 512GiB")
+    p.add_argument("--nvme-free", type=memory_size, default=None, help="free NVMe space per node, e.g. 2TiB")
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=None, help="only this stage")
     p.add_argument("--config", default=None, help="engine config for dtype and buffer sizes (default: bf16, defaults)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=None,

@@ -211,9 +211,17 @@ def test_plan_with_bf16_moments_keeps_the_state_in_ram_where_fp32_needs_the_disk
     gib = 1 << 30
     shape, machine = ModelShape.from_count(1_000_000_000), plan.Machine(1, 24 * gib, 16 * gib, 100 * gib)
     assert plan.choose(shape, machine, "/nvme")[1].setup == Setup(2, "nvme")
-    raw, e = plan.choose(shape, machine, "/nvme", "bfloat16")
+    raw, e = plan.choose(shape, machine, "/nvme", {"state_dtype": "bfloat16"})
     assert e.setup == Setup(2, "cpu") and raw["zero_optimization"]["offload_optimizer"]["state_dtype"] == "bfloat16"
     assert e.node["host"] == estimate(shape, Setup(2, "cpu"), offload.Config.load(raw), 1).node["host"]
+
+
+def test_plan_with_a_bf16_master_keeps_the_state_in_ram_where_fp32_needs_the_disk():
+    gib = 1 << 30
+    shape, machine = ModelShape.from_count(2_000_000_000), plan.Machine(1, 24 * gib, 16 * gib, 1000 * gib)
+    assert plan.choose(shape, machine, "/nvme", {"state_dtype": "int8"})[1].setup == Setup(2, "nvme")
+    raw, e = plan.choose(shape, machine, "/nvme", {"state_dtype": "int8", "master_dtype": "bfloat16"})
+    assert e.setup == Setup(2, "cpu") and raw["zero_optimization"]["offload_optimizer"]["master_dtype"] == "bfloat16"
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")

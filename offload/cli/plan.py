@@ -27,7 +27,7 @@ from offload.cli import bench_swap
 from offload.cli.args import byte_size, output_file, positive_int
 from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
 from offload.errors import UsageError
-from offload.optim.state_format import STATE_DTYPES
+from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.report import human_count
 from offload.store import AioSettings
@@ -67,6 +67,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32",
                    help="Adam moments' dtype off the accelerator: bfloat16 stores 8 bytes per parameter instead of "
                         "12, int8 6 (neither is bitwise AdamW; default float32)")
+    p.add_argument("--master-dtype", choices=sorted(MASTER_DTYPES), default="float32",
+                   help="master weights' dtype off the accelerator: bfloat16 stores them in 2 bytes per parameter, "
+                        "rounded stochastically (not bitwise AdamW; default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -87,12 +90,13 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
 
 
 def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, bf16: bool,
-               state_dtype: str = "float32") -> dict:
-    """``in_cpu``: with weights on nvme, the elements of each rank's part kept in host memory."""
+               formats: dict[str, str] | None = None) -> dict:
+    """``in_cpu``: with weights on nvme, the elements of each rank's part kept in host memory.
+    ``formats``: ``state_dtype`` and ``master_dtype`` of an offloaded optimizer, if not float32."""
     stage, optimizer, weights, grads_on_nvme = step
     offload_optimizer = {"device": optimizer}
-    if optimizer != "none" and state_dtype != "float32":
-        offload_optimizer["state_dtype"] = state_dtype
+    if optimizer != "none":
+        offload_optimizer.update({k: v for k, v in (formats or {}).items() if v != "float32"})
     if optimizer == "nvme":
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, gradients_on_nvme=grads_on_nvme)
     zero = {"stage": stage, "sub_group_size": sub_group, "offload_optimizer": offload_optimizer}
@@ -117,7 +121,7 @@ def fits(e: Estimate, machine: Machine) -> bool:
 
 
 def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
-           state_dtype: str = "float32") -> tuple[dict, Estimate] | None:
+           formats: dict[str, str] | None = None) -> tuple[dict, Estimate] | None:
     """The first setup of LADDER (with the largest sub-group) that fits, as (config, estimate)."""
     bf16 = machine.gpu_mem is not None
     owned = max(1, math.ceil(shape.params / machine.gpus))
@@ -128,7 +132,7 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
         sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {math.ceil(owned / 8)}, reverse=True)
         shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
         for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
-            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, state_dtype)
+            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, formats)
             e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus,
                          host_accelerator=machine.gpu_mem is None)
             if fits(e, machine):
@@ -140,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
     machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
     nvme_path = os.path.abspath(args.nvme_path) if args.nvme_path else None
-    chosen = choose(shape, machine, nvme_path, args.state_dtype)
+    formats = {"state_dtype": args.state_dtype, "master_dtype": args.master_dtype}
+    chosen = choose(shape, machine, nvme_path, formats)
     if chosen is None:
         need = estimate(shape, Setup(3, "nvme", "nvme"),
-                        Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False, args.state_dtype)),
+                        Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False, formats)),
                         machine.gpus, host_accelerator=machine.gpu_mem is None)
         ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
         disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else

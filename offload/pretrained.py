@@ -7,8 +7,10 @@ The consolidated weights as safetensors, in shards of at most
 marked ``{"format": "pt"}``; beside them the model's ``config.json`` and
 ``generation_config.json`` when it has them. Weights stream one tensor at a
 time, as ``export`` does; each shard appears complete or not at all, and the
-index, written last, names only shards that are complete. Shards and an index
-of an earlier save in the same directory are removed first, so the two never mix.
+index, written last, names only shards that are complete. A new save into a
+directory holding an earlier one writes its shards beside the old ones
+(``*.incoming``) and puts them in place only once all are written: a save
+that fails leaves the earlier one as it was, and the two never mix.
 """
 
 from __future__ import annotations
@@ -67,16 +69,25 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
     parts = shards(plan, max_shard_bytes)
     names = [WEIGHTS] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
                                                for i in range(len(parts))]
+    incoming = [os.path.join(directory, name + ".incoming") for name in names]
     if write:
         os.makedirs(directory, exist_ok=True)
-        for stale in [os.path.join(directory, WEIGHTS), os.path.join(directory, INDEX),
+    stream = iter(tensors)
+    try:
+        for path, part in zip(incoming, parts):
+            write_safetensors(path, part, itertools.islice(stream, len(part)), write=write, metadata={"format": "pt"})
+    except BaseException:
+        for path in incoming:
+            if os.path.exists(path):
+                os.unlink(path)
+        raise
+    if write:  # the earlier save's index first: from here on it cannot name a shard being replaced
+        for stale in [os.path.join(directory, INDEX), os.path.join(directory, WEIGHTS),
                       *glob.glob(os.path.join(directory, "model-*-of-*.safetensors"))]:
             if os.path.exists(stale):
                 os.unlink(stale)
-    stream = iter(tensors)
-    for name, part in zip(names, parts):
-        write_safetensors(os.path.join(directory, name), part, itertools.islice(stream, len(part)), write=write,
-                          metadata={"format": "pt"})
+        for path, name in zip(incoming, names):
+            os.replace(path, os.path.join(directory, name))
     written = list(names)
     if write and len(parts) > 1:
         index = {"metadata": {"total_size": sum(nbytes(dtype, shape) for _, dtype, shape in plan)},

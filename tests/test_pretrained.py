@@ -24,6 +24,7 @@ import torch
 import offload
 from offload.cli import main
 from offload.errors import UsageError
+from offload import pretrained
 from offload.pretrained import INDEX, WEIGHTS, shards
 from offload.safetensors_file import read_safetensors, write_safetensors
 
@@ -82,6 +83,27 @@ def test_a_second_save_replaces_the_first_shards(tmp_path):
         engine.save_pretrained(out, max_shard_bytes=1500)
         engine.save_pretrained(out)
     assert os.listdir(out) == [WEIGHTS]
+
+
+def test_a_save_that_fails_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch):
+    out = tmp_path / "model"
+    with _engine(make_model()) as engine:
+        engine.save_pretrained(str(out), max_shard_bytes=1500)
+        before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+        real, calls = pretrained.write_safetensors, []
+
+        def fail_on_the_third(path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(pretrained, "write_safetensors", fail_on_the_third)
+        with pytest.raises(OSError, match="No space left"):
+            engine.save_pretrained(str(out), max_shard_bytes=1500)
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
 SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]

@@ -72,7 +72,7 @@ class Engine:
                              "initialize: model.compile() or torch.compile(engine.module)")
         # Before anything replaces a parameter: the groups name the user's own.
         grouping = Grouping({}, 1) if param_groups is None else resolve(model, param_groups, config.optimizer.params)
-        self._group_count = grouping.count
+        self._group_count, self._decay_of = grouping.count, grouping.decay
         self.module = model
         self.config = config
         if is_meta(model):
@@ -365,6 +365,10 @@ class Engine:
         """The learning rate of the next optimizer step: set it each step to
         schedule it (warm-up, decay), unless the config's ``scheduler`` does."""
         return self.optimizer.lr
+
+    def weight_decay_of(self, name: str) -> float:
+        """The weight decay of trained parameter ``name`` (Note [parameter groups])."""
+        return self._decay_of.get(name, self.config.optimizer.params.weight_decay)
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's form of ``lr``: one rate per parameter group (they share it here)."""

@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -50,7 +51,7 @@ from offload.checkpoint.format import (
     verified_extras,
     write_synced,
 )
-from offload.errors import CheckpointError, StorageError, UsageError
+from offload.errors import CheckpointError, StorageError, UsageError, in_brief
 from offload.pretrained import model_configs
 from offload.safetensors_file import SafetensorsReader, write_safetensors
 from offload.zero import comm
@@ -70,6 +71,8 @@ class Checkpointable(Protocol):
 
     @property
     def compute_dtype_name(self) -> str: ...
+
+    def weight_decay_of(self, name: str) -> float: ...
 
     def synchronize(self) -> None: ...
 
@@ -133,6 +136,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         extra_keys=extra_keys, extra_crc32=extra_crc32, layout=layout_records(engine), rng=rngs,
         frozen_left_out=[k for k, v in engine.other_entries() if isinstance(v, torch.nn.Parameter)]
         if exclude_frozen_parameters else [],
+        weight_decay={s.name: engine.weight_decay_of(s.name) for s in engine.layout.slots},
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
@@ -248,7 +252,23 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     engine.restore_training_state(dataclasses.replace(saved, micro_steps=saved.global_steps * engine.accumulation))
     if manifest.world_size == engine.world:  # each state is one saving rank's (Note [resharding])
         rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
+    if engine.rank == 0:
+        _say_if_weight_decay_differs(engine, manifest)
     return directory, manifest.client_state
+
+
+def _say_if_weight_decay_differs(engine: Checkpointable, manifest: Manifest) -> None:
+    """The loading engine's weight decay applies from here (README, checkpoints),
+    where torch's and DeepSpeed's optimizers take the saved groups' back: said."""
+    names = {s.name for s in engine.layout.slots}
+    differ = [(n, saved, engine.weight_decay_of(n)) for n, saved in manifest.weight_decay.items()
+              if n in names and engine.weight_decay_of(n) != saved]
+    if differ:
+        name, saved, now = differ[0]
+        warnings.warn(f"load_checkpoint: {len(differ)} parameters ({in_brief([n for n, _, _ in differ])}) were trained "
+                      f"with another weight decay than this engine applies ({name}: {saved} saved, {now} now); the "
+                      "engine's own, from its config and param_groups, applies from here: give it the saving run's "
+                      "param_groups to continue that run unchanged", UserWarning, stacklevel=3)
 
 
 def _load_extras(engine: Checkpointable, path: str, keys: list[str]) -> None:

@@ -155,3 +155,20 @@ def test_frozen_parameters_need_no_group(tmp_path):
         assert engine.optimizer.decay.runs == ((0, trained, 0.0),)  # the padding after them decays nothing
         assert torch.equal(engine.state_dict()["norm.weight"], reference.norm.weight)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_records_the_weight_decay_and_a_load_says_when_it_differs(tmp_path):
+    cfg = _config(2, "cpu", tmp_path)
+    with train_engine(make_model(), 2, 2, cfg, groups=three_groups) as engine:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    said = {}
+    for grouped in (True, False):
+        model = make_model()
+        with offload.initialize(model, cfg, param_groups=three_groups(model) if grouped else None) as engine:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.load_checkpoint(str(tmp_path / "ckpt"))
+        said[grouped] = [str(w.message) for w in caught if "weight decay" in str(w.message)]
+    assert said[True] == []
+    assert len(said[False]) == 1 and "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in \
+        said[False][0] and "(gain: 0.0 saved, 0.1 now)" in said[False][0], said

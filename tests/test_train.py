@@ -251,7 +251,8 @@ def _write(tmp_path, name, text):
 @pytest.mark.parametrize("case", ["steps", "model", "model_json", "config_missing", "config_json", "config_key",
                                   "seq_len", "nvme_path", "config_nvme_path", "export_missing", "config_array",
                                   "config_directory", "model_vocab", "model_bool", "out_is_a_file", "seed",
-                                  "export_out_directory", "export_out_new_directory", "export_hf_file"])
+                                  "export_out_directory", "export_out_new_directory", "export_hf_file",
+                                  "model_empty"])
 def test_bad_input_exits_2_with_one_line(tmp_path, case):
     argv, message = {
         "steps": (["train", "--steps", "0"], "must be >= 1"),
@@ -269,6 +270,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "config_directory": (["train", "--config", str(tmp_path)], "Is a directory"),
         "model_vocab": (["train", "--model", _write(tmp_path, "v.json", '{"vocab_size": 100}')], "below 256"),
         "model_bool": (["train", "--model", _write(tmp_path, "b.json", '{"n_layer": true}')], "whole number"),
+        "model_empty": (["train", "--model", _write(tmp_path, "e.json", "{}")], "give a JSON object with some of"),
         "out_is_a_file": (["train", "--out", _write(tmp_path, "file", "")], "cannot create it"),
         "seed": (["train", "--seed", str(10**20)], "must be in [0, 2**32)"),
         "export_out_directory": (["export", str(tmp_path), "--out", str(tmp_path)], "is a directory; name the file"),

@@ -119,7 +119,9 @@ def gpt_config(choice: str) -> GPTConfig:
             values = json.load(f)
     except json.JSONDecodeError as exc:
         raise UsageError(f"model {choice}: not valid JSON ({exc})") from None
-    unknown = set(values) - fields if isinstance(values, dict) else {"(not an object)"}
+    if not isinstance(values, dict) or not values:
+        raise UsageError(f"model {choice}: give a JSON object with some of {sorted(fields)}")
+    unknown = set(values) - fields
     if unknown:
         raise UsageError(f"model {choice}: unknown keys {sorted(unknown)}; valid keys are {sorted(fields)}")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values.values()):

@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import warnings
 
 import torch
@@ -399,9 +400,23 @@ class OffloadTrainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
-        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
-                                    exclude_frozen_parameters=is_peft_model(self.model))
+        # A run resumed from an earlier checkpoint writes checkpoint-N again: as the Trainer
+        # replaces its own files there, the engine checkpoint is replaced, the earlier one
+        # kept aside until the new one is complete.
+        earlier, aside = (os.path.join(output_dir, name) for name in (ENGINE_CHECKPOINT, f".{ENGINE_CHECKPOINT}.replaced"))
+        if self.engine.rank == 0 and os.path.isdir(earlier):
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(earlier, aside)
+        try:
+            # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
+            self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
+                                        exclude_frozen_parameters=is_peft_model(self.model))
+        except BaseException:
+            if self.engine.rank == 0 and os.path.isdir(aside) and not os.path.exists(earlier):
+                os.replace(aside, earlier)
+            raise
+        if self.engine.rank == 0:
+            shutil.rmtree(aside, ignore_errors=True)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 

@@ -119,6 +119,20 @@ def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage, scheduler):
     resumed.engine.close()
 
 
+def test_resuming_from_an_earlier_checkpoint_of_the_same_run_writes_the_later_ones_again(tmp_path):
+    """As plain Trainer: checkpoint-20 exists when the run resumed from checkpoint-10 reaches step 20."""
+    whole = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme1"), save_steps=10)
+    whole.engine.close()
+    later = tmp_path / "run" / "checkpoint-20" / "offload"
+    first = later.stat().st_mtime_ns
+    resumed = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme2"), save_steps=10,
+                        resume=str(tmp_path / "run" / "checkpoint-10"))
+    resumed.engine.close()
+    assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
+    assert later.stat().st_mtime_ns != first and sorted(os.listdir(later.parent)).count("offload") == 1
+    assert not [name for name in os.listdir(later.parent) if name.startswith(".")]
+
+
 def test_a_peft_model_trains_saves_its_adapter_and_resumes(tmp_path):
     """A LoRA (PEFT) at stage 3, weights and optimizer on NVMe: plain Trainer's
     losses; checkpoints hold the adapter, as the Trainer writes it, and an

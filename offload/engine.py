@@ -347,9 +347,9 @@ class Engine:
             flag = torch.tensor([0.0 if finite else 1.0], device=self._comm_device)
             if comm.all_reduce(flag, op="max").item():
                 return None
+        total = torch.tensor([squares], dtype=torch.float64, device=self._comm_device)
+        self.last_grad_norm = comm.all_reduce(total).sqrt().item() * multiplier
         if clip > 0:
-            total = torch.tensor([squares], dtype=torch.float64, device=self._comm_device)
-            self.last_grad_norm = comm.all_reduce(total).sqrt().item() * multiplier
             coefficient = clip / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:
                 multiplier *= coefficient

@@ -394,3 +394,8 @@ def test_deepspeeds_engine_methods(tmp_path):
     cfg["gradient_clipping"] = 0.0
     with train_engine(make_model(), 1, 1, cfg) as engine:
         assert engine.get_global_grad_norm() is None  # nothing needed the norm
+    reference = make_model()
+    reference(batch(0, 0, 0)).backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in reference.parameters()])).item()
+    with train_engine(make_model(), 1, 1, {**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}) as engine:
+        assert engine.get_global_grad_norm() == pytest.approx(expected, rel=1e-2)  # fp16 needs it, clipping or not

@@ -189,10 +189,10 @@ class _eager:
 
     def __init__(self, hook: Callable) -> None:
         self.hook = hook
-        self._run = torch.compiler.disable(hook, recursive=True)
 
-    def __call__(self, *args, **kwargs):
-        return self._run(*args, **kwargs)
+    @torch.compiler.disable(recursive=True)
+    def __call__(self, *args, **kwargs):  # disabled here, or Dynamo would trace (and recompile) the call itself
+        return self.hook(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):
         return _eager, (self.hook,)

@@ -366,6 +366,13 @@ class Engine:
         schedule it (warm-up, decay), unless the config's ``scheduler`` does."""
         return self.optimizer.lr
 
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if self.schedule is not None:
+            raise UsageError(f"the config's scheduler ({self.schedule.kind}) sets the learning rate after each step; "
+                             "remove the scheduler section to set engine.lr yourself")
+        self.optimizer.lr = value
+
     def weight_decay_of(self, name: str) -> float:
         """The weight decay of trained parameter ``name`` (Note [parameter groups])."""
         return self._decay_of.get(name, self.config.optimizer.params.weight_decay)
@@ -378,13 +385,6 @@ class Engine:
         """The last step's gradient norm before clipping, as DeepSpeed's engine
         gives it; computed only for clipping or fp16 (None without either)."""
         return self.last_grad_norm
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        if self.schedule is not None:
-            raise UsageError(f"the config's scheduler ({self.schedule.kind}) sets the learning rate after each step; "
-                             "remove the scheduler section to set engine.lr yourself")
-        self.optimizer.lr = value
 
     def synchronize(self) -> None:
         """Apply a delayed update still in flight and wait for write-backs, so the

@@ -260,9 +260,8 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
 def _say_if_weight_decay_differs(engine: Checkpointable, manifest: Manifest) -> None:
     """The loading engine's weight decay applies from here (README, checkpoints),
     where torch's and DeepSpeed's optimizers take the saved groups' back: said."""
-    names = {s.name for s in engine.layout.slots}
-    differ = [(n, saved, engine.weight_decay_of(n)) for n, saved in manifest.weight_decay.items()
-              if n in names and engine.weight_decay_of(n) != saved]
+    now = {s.name: engine.weight_decay_of(s.name) for s in engine.layout.slots}
+    differ = [(n, saved, now[n]) for n, saved in manifest.weight_decay.items() if n in now and now[n] != saved]
     if differ:
         name, saved, now = differ[0]
         warnings.warn(f"load_checkpoint: {len(differ)} parameters ({in_brief([n for n, _, _ in differ])}) were trained "

@@ -32,16 +32,17 @@ def output_file(text: str) -> str:
     """A file to write: not a directory, in a directory that exists (checked before any work)."""
     if os.path.isdir(text) or text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write in it")
-    parent = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
-    return text
+    return _in_existing_directory(text)
 
 
 def output_directory(text: str) -> str:
     """A directory to write into: it may exist, as a directory, or be made in one that exists."""
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a file; name a directory to write the model into")
+    return _in_existing_directory(text)
+
+
+def _in_existing_directory(text: str) -> str:
     parent = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")

@@ -65,7 +65,6 @@ class ShardOptimizer:
         self.numel = numel
         self.groups = SubGroups.of(numel, config.zero_optimization.sub_group_size)
         self.decay = decay
-        self.group_decay = [decay.within(lo, hi) for lo, hi in self.groups]
         self.step_count = 0
         self.times = StepTimes()
         self.master_in_weights = False  # Note [master in the weights]
@@ -226,6 +225,7 @@ class StoreOptimizer(ShardOptimizer):
         On nvme the pool holds ``speculated`` more buffers, for the sub-groups
         ``speculate`` keeps resident."""
         super().__init__(numel, config, decay)
+        self.group_decay = [decay.within(lo, hi) for lo, hi in self.groups]  # what each sub-group's call carries
         offload = config.zero_optimization.offload_optimizer
         self.tier = offload.device
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write

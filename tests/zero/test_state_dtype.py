@@ -35,10 +35,14 @@ pytestmark = pytest.mark.skipif(not _native.status().available, reason="native l
 
 STEPS = 20
 # Rounding to bf16 turns the last-bit differences of the fp32 path (the order
-# of sums, torch's Adam against ours) into whole bf16 steps now and then:
-# measured 2.7e-5 (one rank) and 9.1e-5 (two) against the bf16-moment
-# reference; plain fp32 AdamW is 2.4e-4 away.
-TOLERANCE = 1.2e-4
+# of sums, torch's Adam against ours) into whole bf16 steps now and then, in a
+# few elements, as chaotically as the CPU's matmul kernels differ: the largest
+# difference from the bf16-moment reference was 2.7e-5 on one rank on an Intel
+# Xeon and 1.4e-4 on an AMD EPYC, while the mean stayed near 1e-7 (AMD: 1.6e-7).
+# Plain fp32 AdamW is 4.4e-5 away on average (2.4e-4 at most), so the mean
+# tells the formats apart and the largest only bounds a stray element.
+MEAN_TOLERANCE = 2e-6
+MAX_TOLERANCE = 1e-3
 SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
 
 
@@ -48,12 +52,20 @@ def _config(stage, device, param_device, nvme, accumulation=2, bf16=False, **off
                   **({"bf16": {"enabled": True}} if bf16 else {}))
 
 
+def _differences(engine_state: dict, ref: torch.nn.Module) -> tuple[float, float]:
+    """The mean and the largest absolute difference, over every element."""
+    ref_state = ref.state_dict()
+    d = torch.cat([(engine_state[k].float() - ref_state[k].float()).abs().flatten() for k in ref_state])
+    return d.mean().item(), d.max().item()
+
+
 @pytest.mark.parametrize("stage,device,param_device", SETUPS)
 def test_trains_like_adamw_with_bf16_moments(tmp_path, stage, device, param_device):
     cfg = _config(stage, device, param_device, str(tmp_path))
     rounded = train_reference(make_model(), STEPS, 1, 2, cfg, moment_dtype=torch.bfloat16)
     with train_engine(make_model(), STEPS, 2, cfg) as engine:
-        assert max_difference(engine.state_dict(), rounded) < TOLERANCE
+        mean, largest = _differences(engine.state_dict(), rounded)
+        assert mean < MEAN_TOLERANCE and largest < MAX_TOLERANCE, (mean, largest)
         for _, _, state in engine.shard_state():
             moments = state[1:]
             assert torch.equal(moments, moments.bfloat16().float()) and moments.count_nonzero() > moments.numel() // 2
@@ -221,15 +233,16 @@ def _world2_worker(rank: int, port: int, out_dir: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with train_engine(make_model(), STEPS, 2, cfg, rank=rank) as engine:
-                results[f"{state_dtype}-{stage}-{device}-{param_device}"] = max_difference(engine.state_dict(), ref)
+                results[f"{state_dtype}-{stage}-{device}-{param_device}"] = _differences(engine.state_dict(), ref)
     finish_rank(out_dir, rank, results)
 
 
 def test_world_size_2(tmp_path):
     for rank, results in enumerate(spawn_ranks(_world2_worker, tmp_path)):
         assert len(results) == len(SETUPS)
-        for name, difference in results.items():
-            assert difference < (INT8_TOLERANCE if name.startswith("int8") else TOLERANCE), (rank, name, difference)
+        for name, (mean, largest) in results.items():
+            assert (largest < INT8_TOLERANCE if name.startswith("int8") else
+                    mean < MEAN_TOLERANCE and largest < MAX_TOLERANCE), (rank, name, mean, largest)
 
 
 MASTER_SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "nvme", "cpu"), (3, "nvme", "nvme")]

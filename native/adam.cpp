@@ -101,46 +101,14 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
   return 0;
 }
 
-int check_decay(double weight_decay) {
-  if (!(std::isfinite(weight_decay) && weight_decay >= 0))
-    return fail("adam: weight_decay must be finite and >= 0, got %g", weight_decay);
-  return 0;
-}
-
-void set_decay(double lr, double weight_decay, int decoupled, AdamConsts* c) {
-  c->use_l2 = weight_decay != 0 && !decoupled;
-  c->use_decoupled = weight_decay != 0 && decoupled;
-  c->l2_decay = static_cast<float>(weight_decay);
-  c->decoupled_keep = static_cast<float>(1.0 - lr * weight_decay);
-}
-
-// Note [weight decay by run]: each run's constants, in `consts`.
-int make_run_consts(const int64_t* bounds, const double* values, int64_t count, int64_t n, double lr, int decoupled,
-                    const AdamConsts& c, std::vector<AdamConsts>* consts) {
-  if (count < 0 || (count > 0 && (bounds == nullptr || values == nullptr)))
-    return fail("adam: %lld decay runs need their bounds and values", static_cast<long long>(count));
-  int64_t previous = 0;
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t lo = bounds[2 * k], hi = bounds[2 * k + 1];
-    if (!(previous <= lo && lo < hi && hi <= n))
-      return fail("adam: decay run %lld is [%lld, %lld); runs must be non-empty, increasing, disjoint and within "
-                  "the %lld elements", static_cast<long long>(k), static_cast<long long>(lo),
-                  static_cast<long long>(hi), static_cast<long long>(n));
-    if (check_decay(values[k]) != 0) return -1;
-    previous = hi;
-    consts->push_back(c);
-    set_decay(lr, values[k], decoupled, &consts->back());
-  }
-  return 0;
-}
-
 int make_consts(double lr, double beta1, double beta2, double eps, double weight_decay, int decoupled,
                 int bias_correction, int64_t step, double grad_scale, AdamConsts* c) {
   if (!(std::isfinite(lr) && lr >= 0)) return fail("adam: lr must be finite and >= 0, got %g", lr);
   if (!(beta1 >= 0 && beta1 < 1)) return fail("adam: beta1 must be in [0, 1), got %g", beta1);
   if (!(beta2 >= 0 && beta2 < 1)) return fail("adam: beta2 must be in [0, 1), got %g", beta2);
   if (!(std::isfinite(eps) && eps >= 0)) return fail("adam: eps must be finite and >= 0, got %g", eps);
-  if (check_decay(weight_decay) != 0) return -1;
+  if (!(std::isfinite(weight_decay) && weight_decay >= 0))
+    return fail("adam: weight_decay must be finite and >= 0, got %g", weight_decay);
   if (step < 1) return fail("adam: step must be >= 1 (the first step is 1), got %lld", static_cast<long long>(step));
   if (!std::isfinite(grad_scale)) return fail("adam: grad_scale must be finite, got %g", grad_scale);
 
@@ -154,7 +122,35 @@ int make_consts(double lr, double beta1, double beta2, double eps, double weight
   c->eps = static_cast<float>(eps);
   c->inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   c->step_size = static_cast<float>(lr / bc1);
-  set_decay(lr, weight_decay, decoupled, c);
+  c->use_l2 = weight_decay != 0 && !decoupled;
+  c->use_decoupled = weight_decay != 0 && decoupled;
+  c->l2_decay = static_cast<float>(weight_decay);
+  c->decoupled_keep = static_cast<float>(1.0 - lr * weight_decay);
+  return 0;
+}
+
+// Note [hyper-parameters by run]: each run's constants, in `consts`.
+int make_run_consts(const int64_t* bounds, const double* decays, const double* lr_scales, int64_t count, int64_t n,
+                    double lr, double beta1, double beta2, double eps, int decoupled, int bias_correction,
+                    int64_t step, double grad_scale, std::vector<AdamConsts>* consts) {
+  if (count < 0 || (count > 0 && (bounds == nullptr || decays == nullptr || lr_scales == nullptr)))
+    return fail("adam: %lld runs need their bounds, weight decays and lr scales", static_cast<long long>(count));
+  int64_t previous = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t lo = bounds[2 * k], hi = bounds[2 * k + 1];
+    if (!(previous <= lo && lo < hi && hi <= n))
+      return fail("adam: run %lld is [%lld, %lld); runs must be non-empty, increasing, disjoint and within "
+                  "the %lld elements", static_cast<long long>(k), static_cast<long long>(lo),
+                  static_cast<long long>(hi), static_cast<long long>(n));
+    if (!(std::isfinite(decays[k]) && decays[k] >= 0 && std::isfinite(lr_scales[k]) && lr_scales[k] >= 0))
+      return fail("adam: run %lld has weight_decay %g and lr scale %g; both must be finite and >= 0",
+                  static_cast<long long>(k), decays[k], lr_scales[k]);
+    previous = hi;
+    consts->emplace_back();
+    if (make_consts(lr * lr_scales[k], beta1, beta2, eps, decays[k], decoupled, bias_correction, step, grad_scale,
+                    &consts->back()) != 0)
+      return -1;
+  }
   return 0;
 }
 
@@ -172,7 +168,7 @@ void run_isa(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, 
   adam_range_scalar(b, c, body_end, end);
 }
 
-// Note [weight decay by run]: [begin, end) cut where a run starts or ends.
+// Note [hyper-parameters by run]: [begin, end) cut where a run starts or ends.
 void run_range(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end) {
   const int64_t* bounds = b.runs.bounds;
   const int64_t* bounds_end = bounds + 2 * b.runs.count;
@@ -264,8 +260,8 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
                                   int64_t n, double lr, double beta1, double beta2,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
                                   double grad_scale, int threads, const void* crc_data, int64_t crc_len,
-                                  int64_t crc_chunk, uint32_t* crc_out, const int64_t* decay_bounds,
-                                  const double* decay_values, int64_t decay_count) {
+                                  int64_t crc_chunk, uint32_t* crc_out, const int64_t* run_bounds,
+                                  const double* run_decays, const double* run_lr_scales, int64_t run_count) {
   AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, exp_avg_scale, exp_avg_sq_scale,
                 grad, grad_dtype, out, out_dtype};
   AdamConsts c;
@@ -273,8 +269,10 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
   if (check_buffers(b, n) != 0) return -1;
   if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)
     return -1;
-  if (make_run_consts(decay_bounds, decay_values, decay_count, n, lr, decoupled, c, &run_consts) != 0) return -1;
-  b.runs = DecayRuns{decay_bounds, run_consts.data(), decay_count};
+  if (make_run_consts(run_bounds, run_decays, run_lr_scales, run_count, n, lr, beta1, beta2, eps, decoupled,
+                      bias_correction, step, grad_scale, &run_consts) != 0)
+    return -1;
+  b.runs = GroupRuns{run_bounds, run_consts.data(), run_count};
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
   const int isa = g_isa.load();
   const int64_t align = b.moment_dtype == kBlockCodes8 ? kQuantBlock : kRangeAlign;

@@ -77,15 +77,18 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// Note [weight decay by run]
+// Note [hyper-parameters by run]
 // An optimizer's parameter groups may give parameters their own weight decay
-// (biases and norms usually take none). A call carries those as runs: disjoint,
-// increasing element ranges [bounds[2k], bounds[2k + 1]) of the call, each with
-// the call's constants but for its own weight decay; elements outside every run
-// take the call's. A thread's range is cut at the runs' ends (adam.cpp,
+// (biases and norms usually take none) and their own learning rate (a head
+// trained faster than the body, layer-wise decay of the rate). A call carries
+// those as runs: disjoint, increasing element ranges [bounds[2k], bounds[2k + 1])
+// of the call, each with its own weight decay and a factor on the call's
+// learning rate; elements outside every run take the call's. A run's constants
+// are those of a call with learning rate lr * lr_scale[k] (in double) and its
+// weight decay, and a thread's range is cut at the runs' ends (adam.cpp,
 // run_range), so the kernels below only ever see one set of constants, and an
-// element steps exactly as a call of its own weight decay would step it.
-struct DecayRuns {
+// element steps exactly as that call would step it.
+struct GroupRuns {
   const int64_t* bounds = nullptr;  // 2 * count
   const AdamConsts* consts = nullptr;  // count
   int64_t count = 0;
@@ -105,7 +108,7 @@ struct AdamBuffers {
   void* out;       // nullptr: no low-precision copy
   int out_dtype;   // kBFloat16 or kFloat16 when out != nullptr
   int64_t index_base = 0;  // element i of these buffers is element index_base + i of the call
-  DecayRuns runs;          // in the call's element indices
+  GroupRuns runs;          // in the call's element indices
 };
 
 // Each updates elements [begin, end). The vector kernels require

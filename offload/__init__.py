@@ -29,11 +29,12 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     ``weights``: a safetensors file or model directory loaded into the engine
     (``load_weights``, with ``allow_missing``); a meta-built module it fully
     covers needs no initialiser of its own. ``param_groups``: the weight decay
-    of each parameter, as a torch optimizer's groups or DeepSpeed's
-    ``model_parameters`` give it, e.g. ``[{"params": decayed}, {"params":
-    norms_and_biases, "weight_decay": 0.0}]``; a group without
-    ``weight_decay`` takes the config's, and all other hyper-parameters are
-    the config's (default: every parameter takes the config's)."""
+    and learning rate of each parameter, as a torch optimizer's groups or
+    DeepSpeed's ``model_parameters`` give them, e.g. ``[{"params": decayed},
+    {"params": norms_and_biases, "weight_decay": 0.0}]``; a group without
+    ``weight_decay`` or ``lr`` takes the config's, a group's rate follows the
+    schedule in proportion, and all other hyper-parameters are the config's
+    (Note [parameter groups]; default: every parameter takes the config's)."""
     config = Config.load(config, nvme_path)
     if weights is None:
         return Engine(model, config, init_fn, param_groups)

@@ -27,18 +27,22 @@ _int = ctypes.c_int
 _dbl = ctypes.c_double
 _ptr = ctypes.c_void_p
 
+# native/errors.cpp's offload_abi_version of the library these signatures describe.
+ABI_VERSION = 2
+
 # name -> (restype, argtypes). Functions returning int return 0 (or a value >= 0)
 # on success and -1 after recording a message for offload_last_error; those
 # returning a pointer return null on failure.
 _SIGNATURES = {
     "offload_last_error": (ctypes.c_char_p, []),
+    "offload_abi_version": (_int, []),
     "offload_cpu_isa": (_int, []),
     "offload_adam_isa": (_int, []),
     "offload_set_adam_isa": (_int, [_int]),
     "offload_adam_step": (
         _int,
         [_ptr, _int, ctypes.c_uint32, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _i64,
-         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64],
     ),
     "offload_grad_sum_squares": (_int, [_ptr, _int, _i64, _int, ctypes.POINTER(_dbl)]),
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),
@@ -100,6 +104,9 @@ def _load() -> ctypes.CDLL:
             raise NativeUnavailable(f"{path} lacks {name}: it is stale; rebuild with `python3 -m pip install -e .`") from exc
         function.restype = restype
         function.argtypes = argtypes
+    if library.offload_abi_version() != ABI_VERSION:
+        raise NativeUnavailable(f"{path} was built from other sources (ABI {library.offload_abi_version()}, this "
+                                f"code needs {ABI_VERSION}): it is stale; rebuild with `python3 -m pip install -e .`")
     return library
 
 

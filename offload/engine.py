@@ -30,6 +30,7 @@ from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.errors import ConfigError, UsageError, in_brief
+from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
@@ -45,7 +46,7 @@ from offload.zero.consolidate import (
     owned_ranges,
 )
 from offload.zero.grads import GradientReducer
-from offload.param_groups import Grouping, owned_decay, resolve
+from offload.param_groups import Grouping, owned_runs, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import is_meta, materialize
@@ -71,8 +72,8 @@ class Engine:
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")
         # Before anything replaces a parameter: the groups name the user's own.
-        grouping = Grouping({}, 1) if param_groups is None else resolve(model, param_groups, config.optimizer.params)
-        self._group_count, self._decay_of = grouping.count, grouping.decay
+        self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(model, param_groups,
+                                                                                  config.optimizer.params)
         self.module = model
         self.config = config
         if is_meta(model):
@@ -110,7 +111,7 @@ class Engine:
         # Note [overlapped step]: up to buffer_count sub-groups are speculated per step.
         self.optimizer = make_optimizer(self.layout.owned, config, self.device, self.transfer,
                                         speculated=offload.buffer_count if overlap else 0,
-                                        decay=owned_decay(self.layout, grouping.decay))
+                                        runs=owned_runs(self.layout, self.grouping.hyper))
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,
@@ -373,13 +374,14 @@ class Engine:
                              "remove the scheduler section to set engine.lr yourself")
         self.optimizer.lr = value
 
-    def weight_decay_of(self, name: str) -> float:
-        """The weight decay of trained parameter ``name`` (Note [parameter groups])."""
-        return self._decay_of.get(name, self.config.optimizer.params.weight_decay)
+    def group_of(self, name: str) -> GroupHyper:
+        """The weight decay and rate of trained parameter ``name`` (Note [parameter groups])."""
+        return self.grouping.hyper.get(name, GroupHyper(self.config.optimizer.params.weight_decay))
 
     def get_lr(self) -> list[float]:
-        """DeepSpeed's form of ``lr``: one rate per parameter group (they share it here)."""
-        return [self.lr] * self._group_count
+        """DeepSpeed's form of ``lr``: the rate of each parameter group, in the
+        order given (Note [parameter groups]); one without groups."""
+        return [self.lr * scale for scale in self.grouping.lr_scales]
 
     def get_global_grad_norm(self) -> float | None:
         """The last step's gradient norm before clipping, as DeepSpeed's engine

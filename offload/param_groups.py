@@ -1,20 +1,27 @@
 """Parameter groups, in the form torch optimizers and DeepSpeed's
-``model_parameters`` take: the weight decay of each parameter.
+``model_parameters`` take: the weight decay and learning rate of each
+parameter.
 
 Note [parameter groups]
 A recipe exempts biases and norm weights from weight decay by handing the
 optimizer groups: ``[{"params": decayed, "weight_decay": 0.1}, {"params":
-rest, "weight_decay": 0.0}]``. ``offload.initialize(param_groups=...)`` takes
-exactly that. A group without ``weight_decay`` takes the config's
-``optimizer.params.weight_decay``; every other hyper-parameter is the config's
-for all groups: a group that sets one to another value is refused by name
-rather than ignored, and a key offload does not know is warned about (torch's
-own implementation flags and labels are passed over). A trainable parameter
-in no group is refused too: torch would leave it untrained, which is rarely
-what was meant (freeze it instead). The decay
-reaches the CPU Adam as runs of the owned shard (``owned_decay``; Note
-[weight decay by run] in native/adam_args.h), so grouping costs no layout of
-its own and no extra pass.
+rest, "weight_decay": 0.0}]``; fine-tuning recipes give the head, or each
+layer, a learning rate of its own (``{"params": head, "lr": 1e-3}``).
+``offload.initialize(param_groups=...)`` takes exactly that. A group without
+``weight_decay`` or ``lr`` takes the config's ``optimizer.params``. A group's
+rate is kept as a multiple of the config's, as torch's schedulers do with each
+group's initial rate: ``engine.lr``, the config's ``scheduler`` and
+``engine.lr = x`` set the config's rate, and every group follows in
+proportion (``engine.get_lr()`` gives them all). So a group's ``lr`` needs
+the config's ``optimizer.params.lr`` above 0. Every other hyper-parameter is
+the config's for all groups: a group that sets one to another value is
+refused by name rather than ignored, and a key offload does not know is
+warned about (torch's own implementation flags and labels are passed over).
+A trainable parameter in no group is refused too: torch would leave it
+untrained, which is rarely what was meant (freeze it instead). Both reach the
+CPU Adam as runs of the owned shard (``owned_runs``; Note
+[hyper-parameters by run] in native/adam_args.h), so grouping costs no layout
+of its own and no extra pass.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 
 from offload.config import AdamParams
 from offload.errors import UsageError, in_brief
-from offload.optim.decay import DecayRuns
+from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.zero.layout import FlatLayout
 
 GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
@@ -38,38 +45,43 @@ GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 # Torch's own group keys that choose an implementation, and labels (torch
 # stores param_names; DeepSpeed's MoE marks groups with moe): nothing to apply.
-IGNORED = {"name", "param_names", "moe", "foreach", "fused", "capturable", "differentiable", "initial_lr"}
+IGNORED = {"name", "param_names", "moe", "foreach", "fused", "capturable", "differentiable"}
 
 
 @dataclass(frozen=True)
 class Grouping:
-    decay: dict[str, float]  # trainable parameter name -> weight decay, where not the config's
-    count: int  # groups given
+    hyper: dict[str, GroupHyper]  # trainable parameter name -> its group's, where that is not the config's
+    lr_scales: tuple[float, ...]  # each group's rate, as a multiple of the config's
 
 
 def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> Grouping:
-    """The weight decay ``groups`` gives each trainable parameter of ``model``
-    (by its ``named_parameters`` name) where that differs from the config's
-    ``params.weight_decay``. A group key that sets another hyper-parameter
-    to a value not the config's is an error; one offload does not know, a
+    """The weight decay and rate ``groups`` give each trainable parameter of
+    ``model`` (by its ``named_parameters`` name) where they differ from the
+    config's ``params``. A group key that sets another hyper-parameter to a
+    value not the config's is an error; one offload does not know, a
     warning."""
     names = {id(p): n for n, p in model.named_parameters()}
-    shared = {"lr": params.lr, "betas": tuple(params.betas), "eps": params.eps, "amsgrad": False,
-              "maximize": False, "decoupled_weight_decay": params.adam_w_mode}
+    shared = {"betas": tuple(params.betas), "eps": params.eps, "amsgrad": False, "maximize": False,
+              "decoupled_weight_decay": params.adam_w_mode}
     seen: dict[int, int] = {}  # id(parameter) -> its group
-    decay: dict[str, float] = {}
+    hyper: dict[str, GroupHyper] = {}
+    config = GroupHyper(params.weight_decay)
     groups = _groups(groups)
+    lr_scales = []
     for index, group in enumerate(groups):
         where = f"param_groups[{index}]"
-        for key in sorted(set(group) - {"params", "weight_decay"} - IGNORED):
+        for key in sorted(set(group) - {"params", "weight_decay", "lr", "initial_lr"} - IGNORED):
             if key not in shared:
-                warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes weight_decay "
-                              "per group and every other hyper-parameter from the config)", UserWarning, stacklevel=4)
+                warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes lr and "
+                              "weight_decay per group and every other hyper-parameter from the config)", UserWarning,
+                              stacklevel=4)
             elif not _same(_value(group[key]), shared[key]):
                 raise UsageError(f"{where} sets {key} {group[key]!r} where the config's optimizer.params has "
-                                 f"{shared[key]!r}: offload takes every hyper-parameter but weight_decay from the "
-                                 "config, the same for all groups; drop it from the group")
-        value = _weight_decay(group.get("weight_decay", params.weight_decay), where)
+                                 f"{shared[key]!r}: offload takes every hyper-parameter but lr and weight_decay from "
+                                 "the config, the same for all groups; drop it from the group")
+        own = GroupHyper(_weight_decay(group.get("weight_decay", params.weight_decay), where),
+                         _lr_scale(_rate(group, params.lr), params.lr, where))
+        lr_scales.append(own.lr_scale)
         for p in _tensors(group["params"]):
             if not isinstance(p, torch.Tensor) or id(p) not in names:
                 what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
@@ -78,20 +90,20 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> G
             if seen.setdefault(id(p), index) != index:
                 raise UsageError(f"{names[id(p)]} is in param_groups[{seen[id(p)]}] and in {where}; "
                                  "put each parameter in one group")
-            if value != params.weight_decay:
-                decay[names[id(p)]] = value
+            if own != config:
+                hyper[names[id(p)]] = own
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
         raise UsageError(f"param_groups leaves out the trainable parameters {in_brief(missing)}; put them in a "
                          "group, or freeze them (requires_grad_(False)) if they are not to be trained")
-    return Grouping(decay, len(groups))
+    return Grouping(hyper, tuple(lr_scales))
 
 
 def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
     """Torch's forms: parameters or (name, parameter) pairs (one group), or dicts each with ``params``."""
     if isinstance(groups, torch.nn.Module):
         raise UsageError(f"param_groups was given the model ({type(groups).__name__}); pass model.parameters(), or a "
-                         "list of dicts with 'params' (and optionally 'weight_decay')")
+                         "list of dicts with 'params' (and optionally 'weight_decay' and 'lr')")
     if isinstance(groups, (torch.Tensor, dict)) or not isinstance(groups, Iterable):
         raise UsageError("param_groups takes a list of parameters or of dicts with 'params' (as torch optimizers "
                          f"do), got a {type(groups).__name__}; wrap it in a list")
@@ -102,7 +114,7 @@ def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
         if not isinstance(group, dict) or "params" not in group:
             raise UsageError(f"param_groups[{index}] is {type(group).__name__}"
                              f"{' without params' if isinstance(group, dict) else ''}; give every group as a dict "
-                             "with 'params' (and optionally 'weight_decay'), or a plain list of parameters")
+                             "with 'params' (and optionally 'weight_decay' and 'lr'), or a plain list of parameters")
     return groups
 
 
@@ -141,7 +153,27 @@ def _weight_decay(value, where: str) -> float:
     return float(value)
 
 
-def owned_decay(layout: FlatLayout, decay: dict[str, float]) -> DecayRuns:
-    """This rank's owned elements whose weight decay is not the config's, as runs of its owned shard."""
-    return DecayRuns.merged((piece.owned_lo, piece.owned_hi, decay[slot.name])
-                            for slot in layout.slots if slot.name in decay for piece in layout.own_pieces(slot))
+def _rate(group: dict[str, Any], config_lr: float):
+    """A group's own rate: a torch scheduler keeps it as ``initial_lr`` and
+    overwrites ``lr`` with its current value (0 at the start of a warm-up)."""
+    return group.get("initial_lr", group.get("lr", config_lr))
+
+
+def _lr_scale(value, config_lr: float, where: str) -> float:
+    """A group's rate as a multiple of the config's (Note [parameter groups])."""
+    value = _value(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{where}'s rate (its 'initial_lr', else its 'lr') is {value!r}; give a finite number >= 0")
+    if _same(value, config_lr):
+        return 1.0
+    if config_lr == 0:
+        raise UsageError(f"{where} sets lr {value} where the config's optimizer.params.lr is 0: a group's rate is "
+                         "kept as a multiple of the config's, so that the schedule moves it too; set "
+                         "optimizer.params.lr above 0")
+    return float(value) / config_lr
+
+
+def owned_runs(layout: FlatLayout, hyper: dict[str, GroupHyper]) -> GroupRuns:
+    """This rank's owned elements whose group's hyper-parameters are not the config's, as runs of its owned shard."""
+    return GroupRuns.merged((piece.owned_lo, piece.owned_hi, hyper[slot.name])
+                            for slot in layout.slots if slot.name in hyper for piece in layout.own_pieces(slot))

@@ -19,6 +19,7 @@ import torch
 import offload
 from offload.peft_models import checkpoint_names
 from offload.errors import ConfigError, UsageError
+from offload.optim.group_runs import GroupHyper
 from offload.safetensors_file import write_safetensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
@@ -63,10 +64,10 @@ def test_an_override_of_get_decay_parameter_names_is_honoured(tmp_path):
 
     trainers = [cls(model=run.tiny_gpt2(), args=run.arguments(str(tmp_path)), train_dataset=run.Tokens(),
                     offload_config=run.offload_config(2), nvme_path=str(tmp_path)) for cls in (AllDecayed, OffloadTrainer)]
-    runs = [trainer.engine.optimizer.decay.runs for trainer in trainers]
+    runs = [trainer.engine.optimizer.runs.runs for trainer in trainers]
     for trainer in trainers:
         trainer.engine.close()
-    assert runs[0] == () and runs[1] and all(value == 0.0 for *_, value in runs[1])
+    assert runs[0] == () and runs[1] and all(group == GroupHyper(0.0) for *_, group in runs[1])
 
 
 @pytest.mark.parametrize("stage, lora", [(2, False), (3, False), (3, True)], ids=["stage2", "stage3", "stage3-lora"])

@@ -88,9 +88,11 @@ class Manifest:
     # Frozen parameters left out (save_checkpoint's exclude_frozen_parameters);
     # absent from manifests written before it existed.
     frozen_left_out: list[str] = dataclasses.field(default_factory=list)
-    # Each trained parameter's weight decay (Note [parameter groups]), by name;
-    # absent from manifests written before it existed.
+    # Each trained parameter's weight decay and rate as a multiple of the
+    # config's (Note [parameter groups]), by name; absent from manifests written
+    # before they existed.
     weight_decay: dict[str, float] = dataclasses.field(default_factory=dict)
+    lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

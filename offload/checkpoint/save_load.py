@@ -52,6 +52,7 @@ from offload.checkpoint.format import (
     write_synced,
 )
 from offload.errors import CheckpointError, StorageError, UsageError, in_brief
+from offload.optim.group_runs import GroupHyper
 from offload.pretrained import model_configs
 from offload.safetensors_file import SafetensorsReader, write_safetensors
 from offload.zero import comm
@@ -72,7 +73,7 @@ class Checkpointable(Protocol):
     @property
     def compute_dtype_name(self) -> str: ...
 
-    def weight_decay_of(self, name: str) -> float: ...
+    def group_of(self, name: str) -> GroupHyper: ...
 
     def synchronize(self) -> None: ...
 
@@ -136,7 +137,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         extra_keys=extra_keys, extra_crc32=extra_crc32, layout=layout_records(engine), rng=rngs,
         frozen_left_out=[k for k, v in engine.other_entries() if isinstance(v, torch.nn.Parameter)]
         if exclude_frozen_parameters else [],
-        weight_decay={s.name: engine.weight_decay_of(s.name) for s in engine.layout.slots},
+        weight_decay={s.name: engine.group_of(s.name).weight_decay for s in engine.layout.slots},
+        lr_scale={s.name: engine.group_of(s.name).lr_scale for s in engine.layout.slots},
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
@@ -253,21 +255,25 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     if manifest.world_size == engine.world:  # each state is one saving rank's (Note [resharding])
         rng.restore(manifest.rng[engine.rank], os.path.join(directory, MANIFEST))
     if engine.rank == 0:
-        _say_if_weight_decay_differs(engine, manifest)
+        _say_if_groups_differ(engine, manifest)
     return directory, manifest.client_state
 
 
-def _say_if_weight_decay_differs(engine: Checkpointable, manifest: Manifest) -> None:
-    """The loading engine's weight decay applies from here (README, checkpoints),
-    where torch's and DeepSpeed's optimizers take the saved groups' back: said."""
-    now = {s.name: engine.weight_decay_of(s.name) for s in engine.layout.slots}
-    differ = [(n, saved, now[n]) for n, saved in manifest.weight_decay.items() if n in now and now[n] != saved]
-    if differ:
-        name, saved, now = differ[0]
-        warnings.warn(f"load_checkpoint: {len(differ)} parameters ({in_brief([n for n, _, _ in differ])}) were trained "
-                      f"with another weight decay than this engine applies ({name}: {saved} saved, {now} now); the "
-                      "engine's own, from its config and param_groups, applies from here: give it the saving run's "
-                      "param_groups to continue that run unchanged", UserWarning, stacklevel=3)
+def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
+    """The loading engine's weight decay and rates apply from here (README,
+    checkpoints), where torch's and DeepSpeed's optimizers take the saved
+    groups' back: said."""
+    groups = {s.name: engine.group_of(s.name) for s in engine.layout.slots}
+    for field, what, saved_values in (("weight_decay", "weight decay", manifest.weight_decay),
+                                      ("lr_scale", "rate (as a multiple of the config's lr)", manifest.lr_scale)):
+        now = {n: getattr(group, field) for n, group in groups.items()}
+        differ = [(n, saved, now[n]) for n, saved in saved_values.items() if n in now and now[n] != saved]
+        if differ:
+            name, saved, current = differ[0]
+            warnings.warn(f"load_checkpoint: {len(differ)} parameters ({in_brief([n for n, _, _ in differ])}) were "
+                          f"trained with another {what} than this engine applies ({name}: {saved} saved, {current} "
+                          "now); the engine's own, from its config and param_groups, applies from here: give it the "
+                          "saving run's param_groups to continue that run unchanged", UserWarning, stacklevel=3)
 
 
 def _load_extras(engine: Checkpointable, path: str, keys: list[str]) -> None:

@@ -19,7 +19,7 @@ import torch
 from offload import _native
 from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
-from offload.optim.decay import DecayRuns
+from offload.optim.group_runs import GroupRuns
 from offload.optim.hyper import AdamHyper, require
 from offload.optim.moment_codec import BlockCodes, blocks
 from offload.store.shard_file import ChunkCrcs
@@ -66,7 +66,7 @@ def adam_step(
     threads: int | None = None,
     sr_key: int | None = None,
     checksum: ChunkCrcs | None = None,
-    decay: DecayRuns = DecayRuns(),
+    runs: GroupRuns = GroupRuns(),
 ) -> None:
     """Update ``param``, ``exp_avg`` and ``exp_avg_sq`` in place for Adam step ``step`` (1-based).
 
@@ -80,8 +80,8 @@ def adam_step(
     ``checksum``: the swap data the state lives in, whose chunk CRCs the
     kernel computes as it writes it (Note [checksums in the Adam pass]); the
     fallback leaves it unfilled, and the write-back computes them.
-    ``decay``: elements whose weight decay is not ``hyper``'s (Note [weight
-    decay by run]).
+    ``runs``: elements whose weight decay or learning rate is not ``hyper``'s
+    (a parameter group's; Note [hyper-parameters by run]).
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     require((sr_key is not None) == (param.dtype == torch.bfloat16) and (sr_key is None or 0 <= sr_key < 2**32),
@@ -94,13 +94,13 @@ def adam_step(
              f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     require(checksum is None or checksum.valid(),
             "checksum must be a ChunkCrcs of contiguous uint8 data, a chunk > 0 and one int32 a chunk (ChunkCrcs.of)")
-    require(not decay or decay.runs[-1][1] <= param.numel(),
-            f"decay runs end at element {decay.runs[-1][1] if decay else 0}, past param's {param.numel()}")
+    require(not runs or runs.runs[-1][1] <= param.numel(),
+            f"runs end at element {runs.runs[-1][1] if runs else 0}, past param's {param.numel()}")
     if not _native.status().available:
         warn_fallback_once()
-        adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key, decay)
+        adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key, runs)
         return
-    bounds, values = decay.tensors
+    bounds, decays, lr_scales = runs.tensors
     codes = isinstance(exp_avg, BlockCodes)
     _native.check(
         _native.lib().offload_adam_step(
@@ -116,7 +116,8 @@ def adam_step(
             threads or default_threads(),
             *((checksum.data.data_ptr(), checksum.data.numel(), checksum.chunk, checksum.crcs.data_ptr())
               if checksum is not None else (None, 0, 0, None)),
-            bounds.data_ptr() if decay else None, values.data_ptr() if decay else None, len(decay.runs),
+            *((bounds.data_ptr(), decays.data_ptr(), lr_scales.data_ptr()) if runs else (None, None, None)),
+            len(runs.runs),
         )
     )
     if checksum is not None:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from offload.optim.decay import DecayRuns
+from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.optim.hyper import AdamHyper
 from offload.optim.moment_codec import BlockCodes, decode_moments, encode_moments, sqrt_exact
 from offload.optim.stochastic import round_to_bf16
@@ -28,31 +28,32 @@ def adam_step_torch(
     grad_scale: float,
     out: torch.Tensor | None,
     sr_key: int | None = None,
-    decay: DecayRuns = DecayRuns(),
+    runs: GroupRuns = GroupRuns(),
 ) -> None:
+    # Each span's own hyper-parameters (Note [hyper-parameters by run]), applied span by span; the other
+    # operations are element-wise and run once over the whole call.
+    spans = [(lo, hi, group.of(hyper)) for lo, hi, group in runs.spans(param.numel(), GroupHyper(hyper.weight_decay))]
     # Python floats: torch rounds each to fp32 exactly as the kernel's static_cast<float> does.
-    if hyper.bias_correction:
-        step_size = hyper.lr / (1.0 - hyper.beta1**step)
-        inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - hyper.beta2**step)
-    else:
-        step_size, inv_bc2_sqrt = hyper.lr, 1.0
-    decayed = [(lo, hi, wd) for lo, hi, wd in decay.spans(param.numel(), hyper.weight_decay) if wd != 0]
+    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - hyper.beta2**step) if hyper.bias_correction else 1.0
 
     master, param = param, param.float()  # a bf16 master is widened, stepped, and rounded back below
     g = grad.float() * grad_scale
     if not hyper.decoupled:
-        for lo, hi, wd in decayed:
-            g[lo:hi].add_(param[lo:hi] * wd)
+        for lo, hi, h in spans:
+            if h.weight_decay:
+                g[lo:hi].add_(param[lo:hi] * h.weight_decay)
     # In fp32 whatever the moments' storage; bf16 or 8-bit moments are rounded only when stored back.
     codes = isinstance(exp_avg, BlockCodes)
     m, v = decode_moments(exp_avg, exp_avg_sq) if codes else (exp_avg.float(), exp_avg_sq.float())
     m = m.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
     v = v.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
     if hyper.decoupled:
-        for lo, hi, wd in decayed:
-            param[lo:hi].mul_(1.0 - hyper.lr * wd)
-    denom = sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps)
-    param.sub_(m.div(denom).mul_(step_size))
+        for lo, hi, h in spans:
+            if h.weight_decay:
+                param[lo:hi].mul_(1.0 - h.lr * h.weight_decay)
+    update = m.div(sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps))
+    for lo, hi, h in spans:
+        param[lo:hi].sub_(update[lo:hi].mul_(h.lr / (1.0 - h.beta1**step) if h.bias_correction else h.lr))
     if codes:
         encode_moments(m, v, exp_avg, exp_avg_sq)
     elif exp_avg.dtype != torch.float32:

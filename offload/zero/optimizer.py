@@ -31,7 +31,7 @@ import torch
 from offload.config import Config
 from offload.errors import PoolExhausted
 from offload.optim.adam import adam_step, default_threads
-from offload.optim.decay import DecayRuns
+from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.optim.hyper import AdamHyper
 from offload.optim.state_format import StateFormat
 from offload.optim.stochastic import step_key
@@ -57,14 +57,14 @@ class StepTimes:
 class ShardOptimizer:
     """What both optimizers share: hyper-parameters, sub-groups, the step count."""
 
-    def __init__(self, numel: int, config: Config, decay: DecayRuns) -> None:
-        """``decay``: owned elements whose weight decay is not the config's (Note [parameter groups])."""
+    def __init__(self, numel: int, config: Config, runs: GroupRuns) -> None:
+        """``runs``: owned elements whose weight decay or rate is not the config's (Note [parameter groups])."""
         p = config.optimizer.params
         self.hyper = AdamHyper(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], eps=p.eps, weight_decay=p.weight_decay,
                                decoupled=p.adam_w_mode)
         self.numel = numel
         self.groups = SubGroups.of(numel, config.zero_optimization.sub_group_size)
-        self.decay = decay
+        self.runs = runs
         self.step_count = 0
         self.times = StepTimes()
         self.master_in_weights = False  # Note [master in the weights]
@@ -106,36 +106,55 @@ class ShardOptimizer:
 
 
 def make_optimizer(numel: int, config: Config, device: torch.device, transfer: Transfer,
-                   speculated: int = 0, decay: DecayRuns = DecayRuns()) -> ShardOptimizer:
+                   speculated: int = 0, runs: GroupRuns = GroupRuns()) -> ShardOptimizer:
     """``speculated``: how many sub-groups an overlapped step may have updated
-    ahead of ``step()`` at once (Note [overlapped step]). ``decay``: as ShardOptimizer's."""
+    ahead of ``step()`` at once (Note [overlapped step]). ``runs``: as ShardOptimizer's."""
     if config.zero_optimization.offload_optimizer.device == "none":
-        return DeviceOptimizer(numel, config, device, transfer, decay)
-    return StoreOptimizer(numel, config, decay, speculated)
+        return DeviceOptimizer(numel, config, device, transfer, runs)
+    return StoreOptimizer(numel, config, runs, speculated)
 
 
 class DeviceOptimizer(ShardOptimizer):
     def __init__(self, numel: int, config: Config, device: torch.device, transfer: Transfer,
-                 decay: DecayRuns) -> None:
-        super().__init__(numel, config, decay)
+                 runs: GroupRuns) -> None:
+        super().__init__(numel, config, runs)
         self.transfer = transfer
         p = config.optimizer.params
         self._master = torch.zeros(numel, device=device)
         self._master.grad = torch.zeros_like(self._master)
+        self._exp_avg, self._exp_avg_sq = torch.zeros_like(self._master), torch.zeros_like(self._master)
+        # Groups' own rates (Note [parameter groups]): torch's Adam or AdamW steps the spans of each rate as one
+        # param group of views of the flat master, whose moments are views of the flat moments. Weight decay
+        # is applied in step(), the way torch applies it, to the spans of each (decay, rate) at once: a kernel
+        # launch per pair of values, not per span.
+        by_rate: dict[float, list[tuple[int, int]]] = {}
+        self._decayed: dict[GroupHyper, list[tuple[int, int]]] = {}
+        for lo, hi, group in runs.spans(numel, GroupHyper(p.weight_decay)):
+            spans = by_rate.setdefault(group.lr_scale, [])
+            if spans and spans[-1][1] == lo:  # neighbours of one rate: one parameter
+                spans[-1] = (spans[-1][0], hi)
+            else:
+                spans.append((lo, hi))
+            if group.weight_decay:
+                self._decayed.setdefault(group, []).append((lo, hi))
         cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
-        # Weight decay by parameter is applied in step(), the way torch's Adam and AdamW apply it,
-        # to the spans of each weight decay at once (a kernel launch per value, not per span).
-        self._torch_opt = cls([self._master], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=0.0)
-        self._decayed: dict[float, list[tuple[int, int]]] = {}
-        for lo, hi, decay in self.decay.spans(numel, p.weight_decay):
-            if decay:
-                self._decayed.setdefault(decay, []).append((lo, hi))
+        self._torch_opt = cls([{"params": [self._span(lo, hi) for lo, hi in spans], "lr_scale": scale}
+                               for scale, spans in by_rate.items()], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=0.0)
+        self._set_state(0)
 
-    @ShardOptimizer.lr.setter
-    def lr(self, value: float) -> None:
-        ShardOptimizer.lr.fset(self, value)
+    def _span(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the master as one parameter of the torch optimizer, its gradient in the flat one."""
+        view = self._master[lo:hi]
+        view.grad = self._master.grad[lo:hi]
+        return view
+
+    def _set_state(self, step_count: int) -> None:
+        """The torch optimizer's state of each span: its step, and views of the flat moments."""
         for group in self._torch_opt.param_groups:
-            group["lr"] = self.hyper.lr
+            for view in group["params"]:
+                lo, hi = view.storage_offset(), view.storage_offset() + view.numel()  # its place in the master
+                self._torch_opt.state[view] = {"step": torch.tensor(float(step_count)),
+                                               "exp_avg": self._exp_avg[lo:hi], "exp_avg_sq": self._exp_avg_sq[lo:hi]}
 
     def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
         self._master[lo:hi].copy_(values)
@@ -158,14 +177,14 @@ class DeviceOptimizer(ShardOptimizer):
             grad.done(i)
         self._master.grad.mul_(grad_scale)
         hyper = hyper or self.hyper
-        for decay, spans in self._decayed.items():
+        for group, spans in self._decayed.items():
             master = [self._master[lo:hi] for lo, hi in spans]
             if hyper.decoupled:
-                torch._foreach_mul_(master, 1 - hyper.lr * decay)
+                torch._foreach_mul_(master, 1 - group.of(hyper).lr * group.weight_decay)
             else:
-                torch._foreach_add_([self._master.grad[lo:hi] for lo, hi in spans], master, alpha=decay)
+                torch._foreach_add_([self._master.grad[lo:hi] for lo, hi in spans], master, alpha=group.weight_decay)
         for group in self._torch_opt.param_groups:
-            group["lr"] = hyper.lr
+            group["lr"] = hyper.lr * group["lr_scale"]
         self._torch_opt.step()
         self.times.adam = time.perf_counter() - start
         self._emit(weights)
@@ -183,13 +202,10 @@ class DeviceOptimizer(ShardOptimizer):
             yield self.transfer.host_copy(self._master[lo:hi].detach())
 
     def state_chunks(self, weights: Weights) -> Iterator[tuple[int, int, torch.Tensor]]:
-        moments = self._torch_opt.state.get(self._master)
         for lo, hi in self.groups:
             state = torch.zeros(3, hi - lo)
-            state[0] = self.transfer.host_copy(self._master[lo:hi].detach())
-            if moments:  # no step yet: the moments are zero
-                state[1] = self.transfer.host_copy(moments["exp_avg"][lo:hi])
-                state[2] = self.transfer.host_copy(moments["exp_avg_sq"][lo:hi])
+            for row, flat in enumerate((self._master, self._exp_avg, self._exp_avg_sq)):
+                state[row] = self.transfer.host_copy(flat[lo:hi].detach())
             yield lo, hi, state
 
     def load_state(self, fill: Callable[[torch.Tensor], None], step_count: int, weights: Weights) -> None:
@@ -199,12 +215,9 @@ class DeviceOptimizer(ShardOptimizer):
         state = torch.zeros(3, self.numel)
         for lo, hi in self.groups:
             fill(state[:, lo:hi])
-        self._master.copy_(self.transfer.device_copy(state[0]))
-        self._torch_opt.state.pop(self._master, None)
-        if step_count:
-            self._torch_opt.state[self._master] = {
-                "step": torch.tensor(float(step_count)),
-                "exp_avg": self.transfer.device_copy(state[1]), "exp_avg_sq": self.transfer.device_copy(state[2])}
+        for row, flat in enumerate((self._master, self._exp_avg, self._exp_avg_sq)):
+            flat.copy_(self.transfer.device_copy(state[row]))
+        self._set_state(step_count)
         self._emit(weights)
 
     def memory(self, report: MemoryReport) -> None:
@@ -219,13 +232,13 @@ class DeviceOptimizer(ShardOptimizer):
 
 
 class StoreOptimizer(ShardOptimizer):
-    def __init__(self, numel: int, config: Config, decay: DecayRuns, speculated: int = 0) -> None:
+    def __init__(self, numel: int, config: Config, runs: GroupRuns, speculated: int = 0) -> None:
         """State for ``numel`` owned elements, zero until ``write_master`` fills the
         master weights (part by part, so the owned shard is never all in host memory).
         On nvme the pool holds ``speculated`` more buffers, for the sub-groups
         ``speculate`` keeps resident."""
-        super().__init__(numel, config, decay)
-        self.group_decay = [decay.within(lo, hi) for lo, hi in self.groups]  # what each sub-group's call carries
+        super().__init__(numel, config, runs)
+        self.group_runs = [runs.within(lo, hi) for lo, hi in self.groups]  # what each sub-group's call carries
         offload = config.zero_optimization.offload_optimizer
         self.tier = offload.device
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
@@ -276,7 +289,7 @@ class StoreOptimizer(ShardOptimizer):
         checksum = self.store.checksum_target(self._key(i))
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
                   out=target if low_precision else None, threads=self.threads, sr_key=sr_key, checksum=checksum,
-                  decay=self.group_decay[i])
+                  runs=self.group_runs[i])
         if separate and not low_precision:
             target.copy_(master)
         return checksum

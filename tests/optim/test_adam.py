@@ -2,7 +2,6 @@
 200 steps, bitwise equal across kernels, thread counts and the fallback, exact
 low-precision copy-out, and clear errors for bad input."""
 
-import dataclasses
 import math
 
 import pytest
@@ -13,7 +12,7 @@ from offload.optim import AdamHyper, adam_step, grad_stats
 from offload.optim import adam as adam_module
 from offload.errors import UsageError
 from offload.optim.adam_fallback import adam_step_torch
-from offload.optim.decay import DecayRuns
+from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.optim.moment_codec import BlockCodes, blocks
 from offload.optim.stochastic import round_to_bf16, step_key
 
@@ -105,59 +104,69 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
         grad = (torch.randn(n) * 10 ** (-8 * torch.rand(n))).to(grad_dtype)
         key = step_key(step, 3) if master_dtype == torch.bfloat16 else None
         adam_step(native[0], grad, native[1], native[2], hyper, step, grad_scale=0.5, out=outs[0], sr_key=key,
-                  decay=RUNS)
+                  runs=RUNS)
         adam_step_torch(fallback[0], grad, fallback[1], fallback[2], hyper, step, 0.5, outs[1], key, RUNS)
     for a, b in zip(native + outs, fallback + outs[1:] + [None]):
         if b is not None:
             assert all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
 
 
-# Cut at no vector, block or thread boundary; two of them meet; the call's own decay between.
-RUNS = DecayRuns(((5, 1000, 0.0), (1000, 40_001, 0.3), (70_001, 100_003, 0.0)))
+# Cut at no vector, block or thread boundary; three of them meet; the call's own values between. Decay alone,
+# rate alone (a third of the call's: not exact in binary), both.
+RUNS = GroupRuns(((5, 1000, GroupHyper(0.0)), (1000, 40_001, GroupHyper(0.3)),
+                  (40_001, 50_000, GroupHyper(0.1, 1 / 3)), (70_001, 100_003, GroupHyper(0.0, 4.0))))
 
 
 @pytest.mark.parametrize("impl", [pytest.param(adam_step, marks=requires_native, id="native"),
-                                  pytest.param(lambda *a, **kw: adam_step_torch(*a, 1.0, None, None, kw["decay"]),
+                                  pytest.param(lambda *a, **kw: adam_step_torch(*a, 1.0, None, None, kw["runs"]),
                                                id="fallback")])
 @pytest.mark.parametrize("isa", _supported_isas() or [None])
 @pytest.mark.parametrize("decoupled", [True, False])
-def test_decay_runs_step_as_calls_of_their_own_weight_decay(impl, isa, decoupled, restore_isa):
-    """Note [weight decay by run]: each span of a call with runs is bitwise what
-    a call of its own on that span, with its weight decay, makes of it."""
+def test_runs_step_as_calls_of_their_own_hyper_parameters(impl, isa, decoupled, restore_isa):
+    """Note [hyper-parameters by run]: each span of a call with runs is bitwise
+    what a call of its own on that span, with its weight decay and its rate
+    (the call's times its scale), makes of it."""
     if isa is not None:
         _native.set_adam_isa(isa)
     n = 100_003
     hyper = AdamHyper(lr=1e-2, weight_decay=0.1, decoupled=decoupled)
     whole = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
     parts = [t.clone() for t in whole]
-    spans = list(RUNS.spans(n, hyper.weight_decay))
-    assert [wd for *_, wd in spans] == [0.1, 0.0, 0.3, 0.1, 0.0]
+    spans = list(RUNS.spans(n, GroupHyper(hyper.weight_decay)))
+    assert [(g.weight_decay, g.lr_scale) for *_, g in spans] == [(0.1, 1), (0.0, 1), (0.3, 1), (0.1, 1 / 3),
+                                                                  (0.1, 1), (0.0, 4)]
     for step in range(1, 4):
         grad = torch.randn(n)
-        impl(*whole[:1], grad, *whole[1:], hyper, step, decay=RUNS)
-        for lo, hi, wd in spans:
+        impl(*whole[:1], grad, *whole[1:], hyper, step, runs=RUNS)
+        for lo, hi, group in spans:
             adam_step_torch(*(t[lo:hi] for t in parts[:1]), grad[lo:hi], *(t[lo:hi] for t in parts[1:]),
-                            dataclasses.replace(hyper, weight_decay=wd), step, 1.0, None)
+                            group.of(hyper), step, 1.0, None)
     assert all(torch.equal(a, b) for a, b in zip(whole, parts))
     untouched = torch.randn(n)
-    assert not torch.equal(_one_step(untouched, hyper, RUNS), _one_step(untouched, hyper, DecayRuns()))
+    moved = _two_steps(untouched, hyper, RUNS) != _two_steps(untouched, hyper, GroupRuns())
+    assert [bool(moved[lo:hi].all()) for lo, hi, _ in RUNS.runs] == [True] * 4  # every run's values tell
 
 
-def _one_step(param, hyper, decay):
-    param = param.clone()
-    adam_step(param, torch.ones_like(param), torch.zeros_like(param), torch.zeros_like(param), hyper, 1, decay=decay)
+def _two_steps(param, hyper, runs):
+    """Two, as classic L2 decay changes no first step from zero moments much: Adam normalises it away."""
+    param, moments = param.clone(), (torch.zeros_like(param), torch.zeros_like(param))
+    for step, grad in enumerate((1.0, -0.5), start=1):
+        adam_step(param, torch.full_like(param, grad), *moments, hyper, step, runs=runs)
     return param
 
 
-def test_decay_runs_are_checked():
+def test_runs_are_checked():
     with pytest.raises(UsageError, match="increasing and disjoint"):
-        DecayRuns(((0, 4, 0.0), (2, 6, 0.1)))
+        GroupRuns(((0, 4, GroupHyper(0.0)), (2, 6, GroupHyper(0.1))))
     with pytest.raises(UsageError, match="weight_decay must be finite"):
-        DecayRuns(((0, 4, -1.0),))
-    with pytest.raises(UsageError, match="decay runs end at element 9, past param's 8"):
-        adam_step(*_good(8).values(), AdamHyper(), 1, decay=DecayRuns(((0, 9, 0.0),)))
-    assert DecayRuns.merged([(4, 6, 0.0), (0, 4, 0.0), (6, 8, 0.1)]).runs == ((0, 6, 0.0), (6, 8, 0.1))
-    assert DecayRuns(((0, 6, 0.0), (6, 8, 0.1))).within(5, 7).runs == ((0, 1, 0.0), (1, 2, 0.1))
+        GroupHyper(-1.0)
+    with pytest.raises(UsageError, match="lr_scale must be finite"):
+        GroupHyper(0.0, math.inf)
+    with pytest.raises(UsageError, match="runs end at element 9, past param's 8"):
+        adam_step(*_good(8).values(), AdamHyper(), 1, runs=GroupRuns(((0, 9, GroupHyper(0.0)),)))
+    none, some = GroupHyper(0.0), GroupHyper(0.1, 2.0)
+    assert GroupRuns.merged([(4, 6, none), (0, 4, none), (6, 8, some)]).runs == ((0, 6, none), (6, 8, some))
+    assert GroupRuns(((0, 6, none), (6, 8, some))).within(5, 7).runs == ((0, 1, none), (1, 2, some))
 
 
 def _zero_moment(n, dtype):
@@ -362,7 +371,7 @@ def test_native_checks_what_it_is_given():
                            "exp_avg_scale and exp_avg_sq_scale overlap"),
     }
     no_checksum = (None, 0, 0, None)
-    no_runs = (None, None, 0)
+    no_runs = (None, None, None, 0)
     crcs = torch.zeros(1, dtype=torch.int32)
     checksum_cases = {
         "no length": (p + 256, 0, 4096, crcs.data_ptr()),
@@ -376,18 +385,20 @@ def test_native_checks_what_it_is_given():
     for bad, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):
             _native.check(step(*bad, *no_checksum, *no_runs))
-    values = torch.tensor([0.0, 0.1], dtype=torch.float64).data_ptr()
-    run_cases = {  # bounds of two runs over the 8 elements
-        "decay run 1 is \\[2, 6\\)": [0, 4, 2, 6],
-        "decay run 0 is \\[3, 3\\)": [3, 3, 4, 5],
-        "decay run 1 is \\[6, 9\\)": [0, 2, 6, 9],
-    }
-    for message, bounds in run_cases.items():
-        bounds = torch.tensor(bounds, dtype=torch.int64)
+    run_cases = [  # (message, bounds of two runs over the 8 elements, their weight decays, their lr scales)
+        ("run 1 is \\[2, 6\\)", [0, 4, 2, 6], [0.0, 0.1], [1.0, 2.0]),
+        ("run 0 is \\[3, 3\\)", [3, 3, 4, 5], [0.0, 0.1], [1.0, 2.0]),
+        ("run 1 is \\[6, 9\\)", [0, 2, 6, 9], [0.0, 0.1], [1.0, 2.0]),
+        ("run 1 has weight_decay -1 and lr scale 2", [0, 2, 4, 6], [0.0, -1.0], [1.0, 2.0]),
+        ("run 0 has weight_decay 0 and lr scale nan", [0, 2, 4, 6], [0.0, 0.1], [math.nan, 2.0]),
+        ("2 runs need their bounds, weight decays and lr scales", None, [0.0, 0.1], [1.0, 2.0]),
+        ("2 runs need their bounds, weight decays and lr scales", [0, 2, 4, 6], [0.0, 0.1], None),
+    ]
+    for message, *values in run_cases:
+        arrays = [None if v is None else torch.tensor(v, dtype=dtype)
+                  for v, dtype in zip(values, (torch.int64, torch.float64, torch.float64))]
         with pytest.raises(_native.NativeError, match=message):
-            _native.check(step(*args, *no_checksum, bounds.data_ptr(), values, 2))
-    with pytest.raises(_native.NativeError, match="2 decay runs need their bounds and values"):
-        _native.check(step(*args, *no_checksum, None, values, 2))
+            _native.check(step(*args, *no_checksum, *(a if a is None else a.data_ptr() for a in arrays), 2))
     assert all(buf == 0)  # nothing was written
 
 

@@ -1,7 +1,7 @@
 """Parameter groups (Note [parameter groups]): each parameter takes its own
-group's weight decay, as in torch.optim.AdamW (and Adam with L2 decay) given
-the same groups, at every stage and tier, world sizes 1 and 2; bad groups are
-refused by name."""
+group's weight decay and learning rate, as in torch.optim.AdamW (and Adam with
+L2 decay) given the same groups, at every stage and tier, world sizes 1 and 2,
+and under a schedule; bad groups are refused by name."""
 
 import copy
 import os
@@ -15,9 +15,11 @@ import torch
 import offload
 from offload import _native
 from offload.errors import UsageError
+from offload.optim.group_runs import GroupHyper
 
-from .harness import (config, each_tier, make_model, max_difference, spawn_ranks, train_engine,
+from .harness import (batch, config, each_tier, make_model, max_difference, spawn_ranks, train_engine,
                       train_reference)
+from .test_schedule import RATES, SCHEDULER
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -26,11 +28,12 @@ TOLERANCE = 1e-5  # as tests/zero/test_equivalence.py; ignoring the groups moves
 
 
 def three_groups(model):
-    """Matrices at the config's decay, the embedding (tied to the head) at its own, the rest at none."""
+    """Matrices at the config's decay and rate (3e-3); the embedding (tied to the head) at its own decay and a
+    third of the rate (not exact in binary); the rest at no decay and twice the rate."""
     embed = model.embed.weight
     matrices = [p for p in model.parameters() if p.dim() > 1 and p is not embed]
-    return [{"params": matrices}, {"params": [embed], "weight_decay": 0.3},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": matrices}, {"params": [embed], "weight_decay": 0.3, "lr": 1e-3},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 6e-3}]
 
 
 def _config(stage, device, tmp_path, param_device=None, l2=False, **extra):
@@ -93,16 +96,18 @@ def test_a_plain_list_of_parameters_is_one_group_at_the_configs_decay(tmp_path):
         assert max_difference(engine.state_dict(), ref) < TOLERANCE
 
 
-def _refused(groups_of, message, model=None):
-    model = model or make_model()
+def _refused(groups_of, message, cfg=None):
+    model = make_model()
     with pytest.raises(UsageError, match=message):
-        offload.initialize(model, _config(2, "cpu", None), param_groups=groups_of(model))
+        offload.initialize(model, cfg or _config(2, "cpu", None), param_groups=groups_of(model))
 
 
 def test_bad_groups_are_refused_by_name():
-    _refused(lambda m: [{"params": list(m.parameters()), "lr": 1e-4}],
-             r"param_groups\[0\] sets lr 0.0001 where the config's optimizer.params has 0.003: offload takes every "
-             "hyper-parameter but weight_decay from the config")
+    _refused(lambda m: [{"params": list(m.parameters()), "eps": 1e-6}],
+             r"param_groups\[0\] sets eps 1e-06 where the config's optimizer.params has 1e-08: offload takes every "
+             "hyper-parameter but lr and weight_decay from the config")
+    _refused(lambda m: [{"params": list(m.parameters()), "lr": -1e-3}],
+             r"param_groups\[0\]'s rate \(its 'initial_lr', else its 'lr'\) is -0.001; give a finite number >= 0")
     _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 0.999]}],
              r"param_groups\[0\] sets betas \[0.9, 0.999\] where the config's optimizer.params has \(0.9, 0.99\)")
     _refused(lambda m: [{"params": list(m.parameters()), "weight_decay": -0.1}],
@@ -130,13 +135,13 @@ def test_the_forms_torch_takes_are_taken(tmp_path):
         "one tensor": lambda m: [{"params": m.gain, "weight_decay": torch.tensor(0.0)},
                                  {"params": [p for p in m.parameters() if p is not m.gain] + [m.norm.bias]}],
     }
-    runs = {"named": (), "labelled": ((0, 3336, 0.0),), "one tensor": ((0, 24, 0.0),)}
+    runs = {"named": (), "labelled": ((0, 3336, GroupHyper(0.0)),), "one tensor": ((0, 24, GroupHyper(0.0)),)}
     for name, groups_of in forms.items():
         model = make_model()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=groups_of(model)) as engine:
-                assert engine.optimizer.decay.runs == runs[name], name
+                assert engine.optimizer.runs.runs == runs[name], name
                 assert engine.get_lr() == [3e-3] * len(list(groups_of(model)) if name != "named" else [0])
         assert not [w for w in caught if "param_groups" in str(w.message)], name
     model = make_model()
@@ -152,12 +157,12 @@ def test_frozen_parameters_need_no_group(tmp_path):
     reference = copy.deepcopy(model)
     with offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=groups) as engine:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert engine.optimizer.decay.runs == ((0, trained, 0.0),)  # the padding after them decays nothing
+        assert engine.optimizer.runs.runs == ((0, trained, GroupHyper(0.0)),)  # the padding after them decays nothing
         assert torch.equal(engine.state_dict()["norm.weight"], reference.norm.weight)
     assert os.listdir(tmp_path) == []
 
 
-def test_a_checkpoint_records_the_weight_decay_and_a_load_says_when_it_differs(tmp_path):
+def test_a_checkpoint_records_the_groups_and_a_load_says_when_they_differ(tmp_path):
     cfg = _config(2, "cpu", tmp_path)
     with train_engine(make_model(), 2, 2, cfg, groups=three_groups) as engine:
         engine.save_checkpoint(str(tmp_path / "ckpt"))
@@ -168,7 +173,61 @@ def test_a_checkpoint_records_the_weight_decay_and_a_load_says_when_it_differs(t
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine.load_checkpoint(str(tmp_path / "ckpt"))
-        said[grouped] = [str(w.message) for w in caught if "weight decay" in str(w.message)]
+        said[grouped] = [str(w.message) for w in caught if "load_checkpoint" in str(w.message)]
     assert said[True] == []
-    assert len(said[False]) == 1 and "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in \
-        said[False][0] and "(gain: 0.0 saved, 0.1 now)" in said[False][0], said
+    decay, rate = said[False]
+    assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in decay, said
+    assert "were trained with another weight decay than this engine applies (gain: 0.0 saved, 0.1 now)" in decay
+    assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in rate, said
+    assert "another rate (as a multiple of the config's lr) than this engine applies (gain: 2.0 saved, 1.0 now)" in rate
+
+
+SCHEDULED = {
+    "stage1-none": (1, "none", None, {}),
+    "stage2-cpu": (2, "cpu", None, {}),
+    "stage2-nvme-overlap": (2, "nvme", None, {"offload_optimizer": {"overlap_step": True}}),
+    "stage3-nvme-params-nvme": (3, "nvme", "nvme", {}),
+}
+
+
+@pytest.mark.parametrize("case", SCHEDULED)
+def test_group_rates_follow_the_schedule_in_proportion(tmp_path, case):
+    """Each group's rate is its lr times the schedule's rate over the config's
+    lr, as torch's schedulers move groups; get_lr gives every group's."""
+    stage, device, param_device, extra = SCHEDULED[case]
+    cfg = _config(stage, device, tmp_path, param_device, scheduler=SCHEDULER, **extra)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(three_groups(ref), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                            weight_decay=p["weight_decay"], foreach=False)
+    own_rates = [group["lr"] for group in opt.param_groups]
+    with offload.initialize(model, cfg, param_groups=three_groups(model)) as engine:
+        for step, rate in enumerate(RATES):
+            for group, own in zip(opt.param_groups, own_rates):
+                group["lr"] = own * rate / p["lr"]
+            assert engine.get_lr() == pytest.approx([group["lr"] for group in opt.param_groups], rel=1e-12)
+            opt.zero_grad()
+            for micro in range(2):
+                engine.backward(engine(batch(step, micro, 0)))
+                engine.step()
+                (ref(batch(step, micro, 0)) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+            opt.step()
+        assert max_difference(engine.state_dict(), ref) < TOLERANCE
+
+
+def test_a_groups_rate_is_its_schedulers_base_and_needs_a_config_rate(tmp_path):
+    """Groups taken from a torch optimizer under a scheduler carry the
+    scheduler's current rate in lr (0 at a warm-up's start) and their own in
+    initial_lr: the engine takes initial_lr."""
+    model = make_model()
+    opt = torch.optim.AdamW(three_groups(model), lr=3e-3, betas=(0.9, 0.99))
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)
+    assert [group["lr"] for group in opt.param_groups] == [0.0] * 3
+    with offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=opt.param_groups) as engine:
+        assert engine.get_lr() == pytest.approx([3e-3, 1e-3, 6e-3], rel=1e-12)
+    cfg = _config(2, "cpu", tmp_path)
+    cfg["optimizer"]["params"]["lr"] = 0.0
+    _refused(three_groups, r"param_groups\[1\] sets lr 0.001 where the config's optimizer.params.lr is 0: a group's "
+             "rate is kept as a multiple of the config's", cfg=cfg)

@@ -71,9 +71,10 @@ class Engine:
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")
+        self.schedule = schedule_of(config)
         # Before anything replaces a parameter: the groups name the user's own.
-        self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(model, param_groups,
-                                                                                  config.optimizer.params)
+        self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(
+            model, param_groups, config.optimizer.params, self.schedule)
         self.module = model
         self.config = config
         if is_meta(model):
@@ -159,7 +160,6 @@ class Engine:
         self._next_ends: bool | None = None  # set_gradient_accumulation_boundary
         self.global_steps = 0
         self.skipped_steps = 0
-        self.schedule = schedule_of(config)
         if self.schedule is not None:
             self.optimizer.lr = self.schedule.rate(0)
         self.last_grad_norm: float | None = None

@@ -9,11 +9,18 @@ rest, "weight_decay": 0.0}]``; fine-tuning recipes give the head, or each
 layer, a learning rate of its own (``{"params": head, "lr": 1e-3}``).
 ``offload.initialize(param_groups=...)`` takes exactly that. A group without
 ``weight_decay`` or ``lr`` takes the config's ``optimizer.params``. A group's
-rate is kept as a multiple of the config's, as torch's schedulers do with each
-group's initial rate: ``engine.lr``, the config's ``scheduler`` and
-``engine.lr = x`` set the config's rate, and every group follows in
-proportion (``engine.get_lr()`` gives them all). So a group's ``lr`` needs
-the config's ``optimizer.params.lr`` above 0. Every other hyper-parameter is
+``lr`` is its rate where the config's rate is at its reference: the
+schedule's peak (``warmup_max_lr``, or ``optimizer.params.lr`` for
+WarmupCosineLR and a WarmupLR without one) when the config has a
+``scheduler``, else ``optimizer.params.lr``. Elsewhere it moves in
+proportion, as torch's schedulers move each group from its initial rate: the
+schedule, or ``engine.lr = x``, sets the config's rate and every group
+follows (``engine.get_lr()`` gives them all). DeepSpeed's own WarmupLR and
+WarmupDecayLR instead give every group the one scheduled rate. So a group's
+``lr`` needs a reference above 0, and groups none of which is at the
+reference are warned about: a torch optimizer's groups all carry its ``lr``,
+torch's default 1e-3 included, which would otherwise rescale every
+parameter unseen. Every other hyper-parameter is
 the config's for all groups: a group that sets one to another value is
 refused by name rather than ignored, and a key offload does not know is
 warned about (torch's own implementation flags and labels are passed over).
@@ -36,6 +43,7 @@ from typing import Any
 import torch
 
 from offload.config import AdamParams
+from offload.schedule import Schedule
 from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.zero.layout import FlatLayout
@@ -54,18 +62,19 @@ class Grouping:
     lr_scales: tuple[float, ...]  # each group's rate, as a multiple of the config's
 
 
-def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> Grouping:
+def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, schedule: Schedule | None) -> Grouping:
     """The weight decay and rate ``groups`` give each trainable parameter of
     ``model`` (by its ``named_parameters`` name) where they differ from the
-    config's ``params``. A group key that sets another hyper-parameter to a
-    value not the config's is an error; one offload does not know, a
-    warning."""
+    config's ``params`` (rates against ``schedule``'s peak, if there is one).
+    A group key that sets another hyper-parameter to a value not the config's
+    is an error; one offload does not know, a warning."""
     names = {id(p): n for n, p in model.named_parameters()}
     shared = {"betas": tuple(params.betas), "eps": params.eps, "amsgrad": False, "maximize": False,
               "decoupled_weight_decay": params.adam_w_mode}
     seen: dict[int, int] = {}  # id(parameter) -> its group
     hyper: dict[str, GroupHyper] = {}
     config = GroupHyper(params.weight_decay)
+    reference = (f"{schedule.kind}'s peak rate", schedule.peak) if schedule else ("optimizer.params.lr", params.lr)
     groups = _groups(groups)
     lr_scales = []
     for index, group in enumerate(groups):
@@ -80,7 +89,7 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> G
                                  f"{shared[key]!r}: offload takes every hyper-parameter but lr and weight_decay from "
                                  "the config, the same for all groups; drop it from the group")
         own = GroupHyper(_weight_decay(group.get("weight_decay", params.weight_decay), where),
-                         _lr_scale(_rate(group, params.lr), params.lr, where))
+                         _lr_scale(group, reference, where))
         lr_scales.append(own.lr_scale)
         for p in _tensors(group["params"]):
             if not isinstance(p, torch.Tensor) or id(p) not in names:
@@ -96,6 +105,12 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams) -> G
     if missing:
         raise UsageError(f"param_groups leaves out the trainable parameters {in_brief(missing)}; put them in a "
                          "group, or freeze them (requires_grad_(False)) if they are not to be trained")
+    if 1.0 not in lr_scales:
+        warnings.warn(f"offload: every group of param_groups sets its own lr, none at {reference[0]} "
+                      f"({reference[1]:g}): every parameter trains at a multiple of the config's rate (param_groups[0] "
+                      f"at {lr_scales[0]:g} times it). If the groups come from a torch optimizer, their lr is its lr "
+                      "(1e-3 unless given): build it with the config's lr, or drop lr from the groups",
+                      UserWarning, stacklevel=4)
     return Grouping(hyper, tuple(lr_scales))
 
 
@@ -153,24 +168,24 @@ def _weight_decay(value, where: str) -> float:
     return float(value)
 
 
-def _rate(group: dict[str, Any], config_lr: float):
-    """A group's own rate: a torch scheduler keeps it as ``initial_lr`` and
-    overwrites ``lr`` with its current value (0 at the start of a warm-up)."""
-    return group.get("initial_lr", group.get("lr", config_lr))
-
-
-def _lr_scale(value, config_lr: float, where: str) -> float:
-    """A group's rate as a multiple of the config's (Note [parameter groups])."""
-    value = _value(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise UsageError(f"{where}'s rate (its 'initial_lr', else its 'lr') is {value!r}; give a finite number >= 0")
-    if _same(value, config_lr):
+def _lr_scale(group: dict[str, Any], reference: tuple[str, float], where: str) -> float:
+    """A group's rate as a multiple of the config's reference rate (Note
+    [parameter groups]). A torch scheduler keeps a group's own rate as
+    ``initial_lr`` and overwrites ``lr`` with its current value (0 at the
+    start of a warm-up)."""
+    key = next((k for k in ("initial_lr", "lr") if k in group), None)
+    if key is None:
         return 1.0
-    if config_lr == 0:
-        raise UsageError(f"{where} sets lr {value} where the config's optimizer.params.lr is 0: a group's rate is "
-                         "kept as a multiple of the config's, so that the schedule moves it too; set "
-                         "optimizer.params.lr above 0")
-    return float(value) / config_lr
+    value = _value(group[key])
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{where}[{key!r}] is {value!r}; give a finite number >= 0")
+    name, rate = reference
+    if _same(value, rate):
+        return 1.0
+    if rate == 0:
+        raise UsageError(f"{where} sets {key} {value} where {name} is 0: a group's rate is kept as a multiple of the "
+                         f"config's, so that the schedule moves it too; set {name} above 0")
+    return float(value) / rate
 
 
 def owned_runs(layout: FlatLayout, hyper: dict[str, GroupHyper]) -> GroupRuns:

@@ -40,12 +40,21 @@ class Schedule:
         position = applied - 1
         if self.kind == "WarmupCosineLR":
             return self.base_lr * self._cosine_ratio(position)
-        low, high = self.params.warmup_min_lr, self.params.warmup_max_lr
-        if high is None:  # DeepSpeed's defaults: WarmupLR's is the optimizer's rate, WarmupDecayLR's 0.001
-            high = self.base_lr if self.kind == "WarmupLR" else 1e-3
+        low = self.params.warmup_min_lr
         if position < 0:
             return low
-        return low + (high - low) * self._gamma(position)
+        return low + (self.peak - low) * self._gamma(position)
+
+    @property
+    def peak(self) -> float:
+        """The rate at the end of the warm-up, where a parameter group's own lr
+        is its rate (Note [parameter groups])."""
+        if self.kind == "WarmupCosineLR":
+            return self.base_lr
+        high = self.params.warmup_max_lr
+        if high is None:  # DeepSpeed's defaults: WarmupLR's is the optimizer's rate, WarmupDecayLR's 0.001
+            return self.base_lr if self.kind == "WarmupLR" else 1e-3
+        return high
 
     @property
     def _warmup(self) -> int:

@@ -265,7 +265,7 @@ def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
     groups' back: said."""
     groups = {s.name: engine.group_of(s.name) for s in engine.layout.slots}
     for field, what, saved_values in (("weight_decay", "weight decay", manifest.weight_decay),
-                                      ("lr_scale", "rate (as a multiple of the config's lr)", manifest.lr_scale)):
+                                      ("lr_scale", "rate relative to the config's", manifest.lr_scale)):
         now = {n: getattr(group, field) for n, group in groups.items()}
         differ = [(n, saved, now[n]) for n, saved in saved_values.items() if n in now and now[n] != saved]
         if differ:

@@ -19,7 +19,6 @@ from offload.optim.group_runs import GroupHyper
 
 from .harness import (batch, config, each_tier, make_model, max_difference, spawn_ranks, train_engine,
                       train_reference)
-from .test_schedule import RATES, SCHEDULER
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -107,7 +106,7 @@ def test_bad_groups_are_refused_by_name():
              r"param_groups\[0\] sets eps 1e-06 where the config's optimizer.params has 1e-08: offload takes every "
              "hyper-parameter but lr and weight_decay from the config")
     _refused(lambda m: [{"params": list(m.parameters()), "lr": -1e-3}],
-             r"param_groups\[0\]'s rate \(its 'initial_lr', else its 'lr'\) is -0.001; give a finite number >= 0")
+             r"param_groups\[0\]\['lr'\] is -0.001; give a finite number >= 0")
     _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 0.999]}],
              r"param_groups\[0\] sets betas \[0.9, 0.999\] where the config's optimizer.params has \(0.9, 0.99\)")
     _refused(lambda m: [{"params": list(m.parameters()), "weight_decay": -0.1}],
@@ -179,8 +178,14 @@ def test_a_checkpoint_records_the_groups_and_a_load_says_when_they_differ(tmp_pa
     assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in decay, said
     assert "were trained with another weight decay than this engine applies (gain: 0.0 saved, 0.1 now)" in decay
     assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in rate, said
-    assert "another rate (as a multiple of the config's lr) than this engine applies (gain: 2.0 saved, 1.0 now)" in rate
+    assert "another rate relative to the config's than this engine applies (gain: 2.0 saved, 1.0 now)" in rate
 
+
+# A warm-up to 4.5e-3, where the config's optimizer.params.lr is 3e-3: a group's lr is its rate at the peak.
+PEAKING = {"type": "WarmupLR", "params": {"warmup_min_lr": 1.5e-3, "warmup_max_lr": 4.5e-3, "warmup_num_steps": 4,
+                                          "warmup_type": "linear"}}
+RATES = [1.5e-3, 1.5e-3, 2.25e-3, 3e-3, 3.75e-3, 4.5e-3, 4.5e-3]  # of optimizer steps 1-7, by hand
+PEAK = 4.5e-3
 
 SCHEDULED = {
     "stage1-none": (1, "none", None, {}),
@@ -192,20 +197,20 @@ SCHEDULED = {
 
 @pytest.mark.parametrize("case", SCHEDULED)
 def test_group_rates_follow_the_schedule_in_proportion(tmp_path, case):
-    """Each group's rate is its lr times the schedule's rate over the config's
-    lr, as torch's schedulers move groups; get_lr gives every group's."""
+    """Each group's rate is its lr times the schedule's rate over its peak, as
+    torch's schedulers move groups; get_lr gives every group's."""
     stage, device, param_device, extra = SCHEDULED[case]
-    cfg = _config(stage, device, tmp_path, param_device, scheduler=SCHEDULER, **extra)
+    cfg = _config(stage, device, tmp_path, param_device, scheduler=PEAKING, **extra)
     model = make_model()
     ref = copy.deepcopy(model)
     p = cfg["optimizer"]["params"]
     opt = torch.optim.AdamW(three_groups(ref), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                             weight_decay=p["weight_decay"], foreach=False)
-    own_rates = [group["lr"] for group in opt.param_groups]
+    own_rates = [PEAK, 1e-3, 6e-3]  # the first group's is the config's: the schedule's peak
     with offload.initialize(model, cfg, param_groups=three_groups(model)) as engine:
         for step, rate in enumerate(RATES):
             for group, own in zip(opt.param_groups, own_rates):
-                group["lr"] = own * rate / p["lr"]
+                group["lr"] = own * rate / PEAK
             assert engine.get_lr() == pytest.approx([group["lr"] for group in opt.param_groups], rel=1e-12)
             opt.zero_grad()
             for micro in range(2):
@@ -229,5 +234,35 @@ def test_a_groups_rate_is_its_schedulers_base_and_needs_a_config_rate(tmp_path):
         assert engine.get_lr() == pytest.approx([3e-3, 1e-3, 6e-3], rel=1e-12)
     cfg = _config(2, "cpu", tmp_path)
     cfg["optimizer"]["params"]["lr"] = 0.0
-    _refused(three_groups, r"param_groups\[1\] sets lr 0.001 where the config's optimizer.params.lr is 0: a group's "
-             "rate is kept as a multiple of the config's", cfg=cfg)
+    _refused(three_groups, r"param_groups\[1\] sets lr 0.001 where optimizer.params.lr is 0: a group's rate is kept "
+             "as a multiple of the config's", cfg=cfg)
+    _refused(lambda m: [{"params": list(m.parameters()), "initial_lr": -1e-3, "lr": 0.0}],
+             r"param_groups\[0\]\['initial_lr'\] is -0.001; give a finite number >= 0")
+
+
+def test_groups_none_of_which_is_at_the_configs_rate_are_warned_about(tmp_path):
+    """A torch optimizer's groups all carry its lr, torch's default 1e-3 included."""
+    model = make_model()
+    groups = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.99)).param_groups
+    with pytest.warns(UserWarning, match=r"every group of param_groups sets its own lr, none at optimizer.params.lr "
+                                         r"\(0.003\): every parameter trains at a multiple of the config's rate "
+                                         r"\(param_groups\[0\] at 0.333333 times it\)"):
+        offload.initialize(model, _config(2, "cpu", tmp_path), param_groups=groups).close()
+
+
+@pytest.mark.parametrize("stage,device", [(1, "none"), (2, "cpu")])
+def test_resuming_with_groups_is_bitwise(tmp_path, stage, device):
+    cfg = _config(stage, device, tmp_path)
+    with train_engine(make_model(), 4, 2, cfg, groups=three_groups) as straight:
+        expected = straight.state_dict()
+    with train_engine(make_model(), 2, 2, cfg, groups=three_groups) as first:
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+    model = make_model()
+    with offload.initialize(model, cfg, param_groups=three_groups(model)) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        for step in range(2, 4):
+            for micro in range(2):
+                engine.backward(engine(batch(step, micro, 0)))
+                engine.step()
+        resumed = engine.state_dict()
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)

@@ -19,6 +19,7 @@ interface ``checkpoint.save_load.Checkpointable``; reports are report.py's.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 import warnings
@@ -344,12 +345,12 @@ class Engine:
             return multiplier
         clip = self.config.gradient_clipping
         squares, finite = self.update.gradient_stats()
-        if self.scaler.enabled:
-            flag = torch.tensor([0.0 if finite else 1.0], device=self._comm_device)
-            if comm.all_reduce(flag, op="max").item():
-                return None
-        total = torch.tensor([squares], dtype=torch.float64, device=self._comm_device)
-        self.last_grad_norm = comm.all_reduce(total).sqrt().item() * multiplier
+        # One all-reduce for both: the ranks' sums of squares, and how many ranks overflowed.
+        stats = comm.all_reduce(torch.tensor([squares, 0.0 if finite else 1.0], dtype=torch.float64,
+                                             device=self._comm_device)).tolist()
+        if self.scaler.enabled and stats[1]:
+            return None
+        self.last_grad_norm = math.sqrt(stats[0]) * multiplier
         if clip > 0:
             coefficient = clip / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:

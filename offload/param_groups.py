@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from offload.config import AdamParams
-from offload.schedule import Schedule
 from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper, GroupRuns
+from offload.schedule import Schedule
 from offload.zero.layout import FlatLayout
 
 GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]

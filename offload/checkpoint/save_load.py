@@ -130,6 +130,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
             shutil.rmtree(partial, ignore_errors=True)
         raise
     rngs = _agree(rng.capture, True)
+    groups = _groups_by_name(engine)
     manifest = Manifest(
         format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
         compute_dtype=engine.compute_dtype_name, chunk_bytes=CHUNK_BYTES, training=progress,
@@ -137,8 +138,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         extra_keys=extra_keys, extra_crc32=extra_crc32, layout=layout_records(engine), rng=rngs,
         frozen_left_out=[k for k, v in engine.other_entries() if isinstance(v, torch.nn.Parameter)]
         if exclude_frozen_parameters else [],
-        weight_decay={s.name: engine.group_of(s.name).weight_decay for s in engine.layout.slots},
-        lr_scale={s.name: engine.group_of(s.name).lr_scale for s in engine.layout.slots},
+        weight_decay={name: group.weight_decay for name, group in groups.items()},
+        lr_scale={name: group.lr_scale for name, group in groups.items()},
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
@@ -263,7 +264,7 @@ def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
     """The loading engine's weight decay and rates apply from here (README,
     checkpoints), where torch's and DeepSpeed's optimizers take the saved
     groups' back: said."""
-    groups = {s.name: engine.group_of(s.name) for s in engine.layout.slots}
+    groups = _groups_by_name(engine)
     for field, what, saved_values in (("weight_decay", "weight decay", manifest.weight_decay),
                                       ("lr_scale", "rate relative to the config's", manifest.lr_scale)):
         now = {n: getattr(group, field) for n, group in groups.items()}
@@ -274,6 +275,11 @@ def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
                           f"trained with another {what} than this engine applies ({name}: {saved} saved, {current} "
                           "now); the engine's own, from its config and param_groups, applies from here: give it the "
                           "saving run's param_groups to continue that run unchanged", UserWarning, stacklevel=3)
+
+
+def _groups_by_name(engine: Checkpointable) -> dict[str, GroupHyper]:
+    """Each trained parameter's weight decay and rate (Note [parameter groups])."""
+    return {s.name: engine.group_of(s.name) for s in engine.layout.slots}
 
 
 def _load_extras(engine: Checkpointable, path: str, keys: list[str]) -> None:

@@ -4,6 +4,7 @@ comparing the engine with torch.optim.AdamW on an unpartitioned copy."""
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import socket
@@ -21,6 +22,9 @@ import offload
 
 VOCAB, DIM, SEQ, BATCH = 61, 24, 12, 3
 Groups = Callable[[nn.Module], list[dict]]  # a model's parameter groups, as torch optimizers take them
+# How long a rank waits in a collective for the other: ranks that disagree fail the test in minutes, where the
+# engine's default comm_timeout_s (1800) would hang it for half an hour.
+RANK_WAIT_S = 300
 
 
 class TinyLM(nn.Module):
@@ -75,6 +79,7 @@ def config(stage: int, device: str, accumulation: int, nvme_path: str | None = N
         "zero_optimization": {"stage": stage, "sub_group_size": 700, "reduce_bucket_size": 1500,
                               "offload_optimizer": offload_optimizer},
         "aio": {"block_size": 8192, "queue_depth": 4},
+        "comm_timeout_s": RANK_WAIT_S,
     }
     if param_device is not None:
         cfg["zero_optimization"]["offload_param"] = {"device": param_device, **({"nvme_path": nvme_path, "max_in_cpu": 0} if param_device == "nvme" else {})}
@@ -135,7 +140,8 @@ def free_port() -> int:
 
 def init_gloo(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=RANK_WAIT_S))
 
 
 def spawn_ranks(worker: Callable[[int, int, str], None], out_dir: Path, world: int = 2) -> list[Any]:

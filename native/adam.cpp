@@ -130,11 +130,10 @@ int make_consts(double lr, double beta1, double beta2, double eps, double weight
 }
 
 // Note [hyper-parameters by run]: each run's constants, in `consts`.
-int make_run_consts(const int64_t* bounds, const double* decays, const double* lr_scales, int64_t count, int64_t n,
-                    double lr, double beta1, double beta2, double eps, int decoupled, int bias_correction,
-                    int64_t step, double grad_scale, std::vector<AdamConsts>* consts) {
-  if (count < 0 || (count > 0 && (bounds == nullptr || decays == nullptr || lr_scales == nullptr)))
-    return fail("adam: %lld runs need their bounds, weight decays and lr scales", static_cast<long long>(count));
+int make_run_consts(const int64_t* bounds, const double* hypers, int64_t count, int64_t n, double lr, int decoupled,
+                    int bias_correction, int64_t step, double grad_scale, std::vector<AdamConsts>* consts) {
+  if (count < 0 || (count > 0 && (bounds == nullptr || hypers == nullptr)))
+    return fail("adam: %lld runs need their bounds and hyper-parameters", static_cast<long long>(count));
   int64_t previous = 0;
   for (int64_t k = 0; k < count; ++k) {
     const int64_t lo = bounds[2 * k], hi = bounds[2 * k + 1];
@@ -142,14 +141,18 @@ int make_run_consts(const int64_t* bounds, const double* decays, const double* l
       return fail("adam: run %lld is [%lld, %lld); runs must be non-empty, increasing, disjoint and within "
                   "the %lld elements", static_cast<long long>(k), static_cast<long long>(lo),
                   static_cast<long long>(hi), static_cast<long long>(n));
-    if (!(std::isfinite(decays[k]) && decays[k] >= 0 && std::isfinite(lr_scales[k]) && lr_scales[k] >= 0))
-      return fail("adam: run %lld has weight_decay %g and lr scale %g; both must be finite and >= 0",
-                  static_cast<long long>(k), decays[k], lr_scales[k]);
+    const double* h = hypers + kRunHypers * k;
+    if (!(std::isfinite(h[kRunLrScale]) && h[kRunLrScale] >= 0))
+      return fail("adam: run %lld has lr scale %g; it must be finite and >= 0", static_cast<long long>(k),
+                  h[kRunLrScale]);
     previous = hi;
     consts->emplace_back();
-    if (make_consts(lr * lr_scales[k], beta1, beta2, eps, decays[k], decoupled, bias_correction, step, grad_scale,
-                    &consts->back()) != 0)
-      return -1;
+    if (make_consts(lr * h[kRunLrScale], h[kRunBeta1], h[kRunBeta2], h[kRunEps], h[kRunWeightDecay], decoupled,
+                    bias_correction, step, grad_scale, &consts->back()) != 0)
+    {
+      const std::string why = last_error();  // make_consts's, which names the hyper-parameter
+      return fail("adam: run %lld: %s", static_cast<long long>(k), why.c_str() + (why.rfind("adam: ", 0) == 0 ? 6 : 0));
+    }
   }
   return 0;
 }
@@ -261,7 +264,7 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
                                   double grad_scale, int threads, const void* crc_data, int64_t crc_len,
                                   int64_t crc_chunk, uint32_t* crc_out, const int64_t* run_bounds,
-                                  const double* run_decays, const double* run_lr_scales, int64_t run_count) {
+                                  const double* run_hypers, int64_t run_count) {
   AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, exp_avg_scale, exp_avg_sq_scale,
                 grad, grad_dtype, out, out_dtype};
   AdamConsts c;
@@ -269,8 +272,8 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
   if (check_buffers(b, n) != 0) return -1;
   if (make_consts(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction, step, grad_scale, &c) != 0)
     return -1;
-  if (make_run_consts(run_bounds, run_decays, run_lr_scales, run_count, n, lr, beta1, beta2, eps, decoupled,
-                      bias_correction, step, grad_scale, &run_consts) != 0)
+  if (make_run_consts(run_bounds, run_hypers, run_count, n, lr, decoupled, bias_correction, step, grad_scale,
+                      &run_consts) != 0)
     return -1;
   b.runs = GroupRuns{run_bounds, run_consts.data(), run_count};
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);

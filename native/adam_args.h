@@ -78,16 +78,19 @@ inline uint32_t mix32(uint32_t x) {
 }
 
 // Note [hyper-parameters by run]
-// An optimizer's parameter groups may give parameters their own weight decay
-// (biases and norms usually take none) and their own learning rate (a head
-// trained faster than the body, layer-wise decay of the rate). A call carries
-// those as runs: disjoint, increasing element ranges [bounds[2k], bounds[2k + 1])
-// of the call, each with its own weight decay and a factor on the call's
-// learning rate; elements outside every run take the call's. A run's constants
-// are those of a call with learning rate lr * lr_scale[k] (in double) and its
-// weight decay, and a thread's range is cut at the runs' ends (adam.cpp,
-// run_range), so the kernels below only ever see one set of constants, and an
-// element steps exactly as that call would step it.
+// An optimizer's parameter groups may give parameters hyper-parameters of
+// their own: a weight decay (biases and norms usually take none), a learning
+// rate (a head trained faster than the body, layer-wise decay of the rate),
+// betas and eps. A call carries those as runs: disjoint, increasing element
+// ranges [bounds[2k], bounds[2k + 1]) of the call, each with kRunHypers
+// doubles (the kRun* indices below), the rate as a factor on the call's
+// learning rate; elements outside every run take the call's. A run's
+// constants are those of a call with learning rate lr * lr_scale (in double)
+// and the run's other values, and a thread's range is cut at the runs' ends
+// (adam.cpp, run_range), so the kernels below only ever see one set of
+// constants, and an element steps exactly as that call would step it.
+constexpr int kRunWeightDecay = 0, kRunLrScale = 1, kRunBeta1 = 2, kRunBeta2 = 3, kRunEps = 4, kRunHypers = 5;
+
 struct GroupRuns {
   const int64_t* bounds = nullptr;  // 2 * count
   const AdamConsts* consts = nullptr;  // count

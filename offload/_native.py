@@ -28,7 +28,7 @@ _dbl = ctypes.c_double
 _ptr = ctypes.c_void_p
 
 # native/errors.cpp's offload_abi_version of the library these signatures describe.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # name -> (restype, argtypes). Functions returning int return 0 (or a value >= 0)
 # on success and -1 after recording a message for offload_last_error; those
@@ -42,7 +42,7 @@ _SIGNATURES = {
     "offload_adam_step": (
         _int,
         [_ptr, _int, ctypes.c_uint32, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _i64,
-         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64],
+         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     ),
     "offload_grad_sum_squares": (_int, [_ptr, _int, _i64, _int, ctypes.POINTER(_dbl)]),
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),

@@ -1,14 +1,15 @@
 """Parameter groups, in the form torch optimizers and DeepSpeed's
-``model_parameters`` take: the weight decay and learning rate of each
-parameter.
+``model_parameters`` take: each parameter's weight decay, learning rate,
+betas and eps.
 
 Note [parameter groups]
 A recipe exempts biases and norm weights from weight decay by handing the
 optimizer groups: ``[{"params": decayed, "weight_decay": 0.1}, {"params":
 rest, "weight_decay": 0.0}]``; fine-tuning recipes give the head, or each
-layer, a learning rate of its own (``{"params": head, "lr": 1e-3}``).
+layer, a learning rate of its own (``{"params": head, "lr": 1e-3}``), and
+some give a group its own ``betas`` or ``eps``.
 ``offload.initialize(param_groups=...)`` takes exactly that. A group without
-``weight_decay`` or ``lr`` takes the config's ``optimizer.params``. A group's
+one of those keys takes the config's ``optimizer.params``. A group's
 ``lr`` is its rate where the config's rate is at its reference: the
 schedule's peak (``warmup_max_lr``, or ``optimizer.params.lr`` for
 WarmupCosineLR and a WarmupLR without one) when the config has a
@@ -20,13 +21,13 @@ WarmupDecayLR instead give every group the one scheduled rate. So a group's
 ``lr`` needs a reference above 0, and groups none of which is at the
 reference are warned about: a torch optimizer's groups all carry its ``lr``,
 torch's default 1e-3 included, which would otherwise rescale every
-parameter unseen. Every other hyper-parameter is
-the config's for all groups: a group that sets one to another value is
-refused by name rather than ignored, and a key offload does not know is
-warned about (torch's own implementation flags and labels are passed over).
-A trainable parameter in no group is refused too: torch would leave it
-untrained, which is rarely what was meant (freeze it instead). Both reach the
-CPU Adam as runs of the owned shard (``owned_runs``; Note
+parameter unseen. Every other setting (``amsgrad``, ``maximize``, AdamW's
+decoupling) is the config's for all groups: a group that sets one to another
+value is refused by name rather than ignored, and a key offload does not
+know is warned about (torch's own implementation flags and labels are passed
+over). A trainable parameter in no group is refused too: torch would leave it
+untrained, which is rarely what was meant (freeze it instead). Groups reach
+the CPU Adam as runs of the owned shard (``owned_runs``; Note
 [hyper-parameters by run] in native/adam_args.h), so grouping costs no layout
 of its own and no extra pass.
 """
@@ -54,6 +55,8 @@ GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 # Torch's own group keys that choose an implementation, and labels (torch
 # stores param_names; DeepSpeed's MoE marks groups with moe): nothing to apply.
 IGNORED = {"name", "param_names", "moe", "foreach", "fused", "capturable", "differentiable"}
+OWN_NAMES = ("lr", "weight_decay", "betas", "eps")  # what a group may set for itself
+OWN = {"params", "initial_lr", *OWN_NAMES}
 
 
 @dataclass(frozen=True)
@@ -63,14 +66,13 @@ class Grouping:
 
 
 def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, schedule: Schedule | None) -> Grouping:
-    """The weight decay and rate ``groups`` give each trainable parameter of
-    ``model`` (by its ``named_parameters`` name) where they differ from the
-    config's ``params`` (rates against ``schedule``'s peak, if there is one).
-    A group key that sets another hyper-parameter to a value not the config's
-    is an error; one offload does not know, a warning."""
+    """The weight decay, rate, betas and eps ``groups`` give each trainable
+    parameter of ``model`` (by its ``named_parameters`` name) where they differ
+    from the config's ``params`` (rates against ``schedule``'s peak, if there
+    is one). A group key that sets another setting to a value not the
+    config's is an error; one offload does not know, a warning."""
     names = {id(p): n for n, p in model.named_parameters()}
-    shared = {"betas": tuple(params.betas), "eps": params.eps, "amsgrad": False, "maximize": False,
-              "decoupled_weight_decay": params.adam_w_mode}
+    shared = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": params.adam_w_mode}
     seen: dict[int, int] = {}  # id(parameter) -> its group
     hyper: dict[str, GroupHyper] = {}
     config = GroupHyper(params.weight_decay)
@@ -79,17 +81,17 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, sche
     lr_scales = []
     for index, group in enumerate(groups):
         where = f"param_groups[{index}]"
-        for key in sorted(set(group) - {"params", "weight_decay", "lr", "initial_lr"} - IGNORED):
+        for key in sorted(set(group) - OWN - IGNORED):
             if key not in shared:
-                warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes lr and "
-                              "weight_decay per group and every other hyper-parameter from the config)", UserWarning,
-                              stacklevel=4)
+                warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes {', '.join(OWN_NAMES)} "
+                              "per group and every other hyper-parameter from the config)", UserWarning, stacklevel=4)
             elif not _same(_value(group[key]), shared[key]):
-                raise UsageError(f"{where} sets {key} {group[key]!r} where the config's optimizer.params has "
-                                 f"{shared[key]!r}: offload takes every hyper-parameter but lr and weight_decay from "
-                                 "the config, the same for all groups; drop it from the group")
+                raise UsageError(f"{where} sets {key} {group[key]!r} where the config's optimizer has "
+                                 f"{shared[key]!r}: offload takes it from the config, the same for all groups; drop "
+                                 "it from the group")
         own = GroupHyper(_weight_decay(group.get("weight_decay", params.weight_decay), where),
-                         _lr_scale(group, reference, where))
+                         _lr_scale(group, reference, where), _betas(group, tuple(params.betas), where),
+                         _eps(group, params.eps, where))
         lr_scales.append(own.lr_scale)
         for p in _tensors(group["params"]):
             if not isinstance(p, torch.Tensor) or id(p) not in names:
@@ -163,7 +165,7 @@ def _same(given, config) -> bool:
 
 def _weight_decay(value, where: str) -> float:
     value = _value(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
         raise UsageError(f"{where}['weight_decay'] is {value!r}; give a finite number >= 0")
     return float(value)
 
@@ -177,7 +179,7 @@ def _lr_scale(group: dict[str, Any], reference: tuple[str, float], where: str) -
     if key is None:
         return 1.0
     value = _value(group[key])
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
         raise UsageError(f"{where}[{key!r}] is {value!r}; give a finite number >= 0")
     name, rate = reference
     if _same(value, rate):
@@ -186,6 +188,30 @@ def _lr_scale(group: dict[str, Any], reference: tuple[str, float], where: str) -
         raise UsageError(f"{where} sets {key} {value} where {name} is 0: a group's rate is kept as a multiple of the "
                          f"config's, so that the schedule moves it too; set {name} above 0")
     return float(value) / rate
+
+
+def _betas(group: dict[str, Any], config: tuple[float, float], where: str) -> tuple[float, float] | None:
+    """A group's own betas, or None where it takes the config's."""
+    if "betas" not in group:
+        return None
+    value = _value(group["betas"])
+    if not (isinstance(value, tuple) and len(value) == 2 and all(_is_real(b) and 0 <= b < 1 for b in value)):
+        raise UsageError(f"{where}['betas'] is {group['betas']!r}; give two numbers in [0, 1), as (0.9, 0.999)")
+    return None if _same(value, config) else (float(value[0]), float(value[1]))
+
+
+def _eps(group: dict[str, Any], config: float, where: str) -> float | None:
+    """A group's own eps, or None where it takes the config's."""
+    if "eps" not in group:
+        return None
+    value = _value(group["eps"])
+    if not (_is_real(value) and math.isfinite(value) and value >= 0):
+        raise UsageError(f"{where}['eps'] is {value!r}; give a finite number >= 0")
+    return None if _same(value, config) else float(value)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def owned_runs(layout: FlatLayout, hyper: dict[str, GroupHyper]) -> GroupRuns:

@@ -89,10 +89,13 @@ class Manifest:
     # absent from manifests written before it existed.
     frozen_left_out: list[str] = dataclasses.field(default_factory=list)
     # Each trained parameter's weight decay and rate as a multiple of the
-    # config's (Note [parameter groups]), by name; absent from manifests written
-    # before they existed.
+    # config's (Note [parameter groups]), by name, and the betas and eps of
+    # those whose group set its own; absent from manifests written before
+    # they existed.
     weight_decay: dict[str, float] = dataclasses.field(default_factory=dict)
     lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+    betas: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    eps: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

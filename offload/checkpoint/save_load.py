@@ -23,7 +23,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -140,6 +140,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         if exclude_frozen_parameters else [],
         weight_decay={name: group.weight_decay for name, group in groups.items()},
         lr_scale={name: group.lr_scale for name, group in groups.items()},
+        betas={name: list(group.betas) for name, group in groups.items() if group.betas is not None},
+        eps={name: group.eps for name, group in groups.items() if group.eps is not None},
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
@@ -261,24 +263,33 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
 
 
 def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
-    """The loading engine's weight decay and rates apply from here (README,
+    """The loading engine's group hyper-parameters apply from here (README,
     checkpoints), where torch's and DeepSpeed's optimizers take the saved
     groups' back: said."""
-    groups = _groups_by_name(engine)
-    for field, what, saved_values in (("weight_decay", "weight decay", manifest.weight_decay),
-                                      ("lr_scale", "rate relative to the config's", manifest.lr_scale)):
-        now = {n: getattr(group, field) for n, group in groups.items()}
-        differ = [(n, saved, now[n]) for n, saved in saved_values.items() if n in now and now[n] != saved]
-        if differ:
-            name, saved, current = differ[0]
-            warnings.warn(f"load_checkpoint: {len(differ)} parameters ({in_brief([n for n, _, _ in differ])}) were "
-                          f"trained with another {what} than this engine applies ({name}: {saved} saved, {current} "
-                          "now); the engine's own, from its config and param_groups, applies from here: give it the "
-                          "saving run's param_groups to continue that run unchanged", UserWarning, stacklevel=3)
+    differ: dict[str, list[tuple[str, Any, Any]]] = {field: [] for field in _SAID}
+    for name, now in _groups_by_name(engine).items():
+        if name not in manifest.weight_decay:  # a manifest older than groups
+            continue
+        betas = manifest.betas.get(name)
+        saved = GroupHyper(manifest.weight_decay[name], manifest.lr_scale.get(name, 1.0),
+                           None if betas is None else tuple(betas), manifest.eps.get(name))
+        for field in _SAID:
+            if getattr(saved, field) != getattr(now, field):
+                differ[field].append((name, getattr(saved, field), getattr(now, field)))
+    for field, found in differ.items():
+        if found:
+            name, saved, now = (v if v is not None else "the config's" for v in found[0])
+            warnings.warn(f"load_checkpoint: {len(found)} parameters ({in_brief([n for n, _, _ in found])}) were "
+                          f"trained with another {_SAID[field]} than this engine applies ({name}: {saved} saved, "
+                          f"{now} now); the engine's own, from its config and param_groups, applies from here: give "
+                          "it the saving run's param_groups to continue that run unchanged", UserWarning, stacklevel=3)
+
+
+_SAID = {"weight_decay": "weight decay", "lr_scale": "rate relative to the config's", "betas": "betas", "eps": "eps"}
 
 
 def _groups_by_name(engine: Checkpointable) -> dict[str, GroupHyper]:
-    """Each trained parameter's weight decay and rate (Note [parameter groups])."""
+    """Each trained parameter's group hyper-parameters (Note [parameter groups])."""
     return {s.name: engine.group_of(s.name) for s in engine.layout.slots}
 
 

@@ -80,8 +80,8 @@ def adam_step(
     ``checksum``: the swap data the state lives in, whose chunk CRCs the
     kernel computes as it writes it (Note [checksums in the Adam pass]); the
     fallback leaves it unfilled, and the write-back computes them.
-    ``runs``: elements whose weight decay or learning rate is not ``hyper``'s
-    (a parameter group's; Note [hyper-parameters by run]).
+    ``runs``: elements whose weight decay, learning rate, betas or eps are
+    not ``hyper``'s (a parameter group's; Note [hyper-parameters by run]).
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     require((sr_key is not None) == (param.dtype == torch.bfloat16) and (sr_key is None or 0 <= sr_key < 2**32),
@@ -100,7 +100,7 @@ def adam_step(
         warn_fallback_once()
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key, runs)
         return
-    bounds, decays, lr_scales = runs.tensors
+    hypers = runs.hypers(hyper) if runs else None
     codes = isinstance(exp_avg, BlockCodes)
     _native.check(
         _native.lib().offload_adam_step(
@@ -116,7 +116,7 @@ def adam_step(
             threads or default_threads(),
             *((checksum.data.data_ptr(), checksum.data.numel(), checksum.chunk, checksum.crcs.data_ptr())
               if checksum is not None else (None, 0, 0, None)),
-            *((bounds.data_ptr(), decays.data_ptr(), lr_scales.data_ptr()) if runs else (None, None, None)),
+            *((runs.bounds.data_ptr(), hypers.data_ptr()) if runs else (None, None)),
             len(runs.runs),
         )
     )

@@ -30,30 +30,16 @@ def adam_step_torch(
     sr_key: int | None = None,
     runs: GroupRuns = GroupRuns(),
 ) -> None:
-    # Each span's own hyper-parameters (Note [hyper-parameters by run]), applied span by span; the other
-    # operations are element-wise and run once over the whole call.
+    # Each span's own hyper-parameters (Note [hyper-parameters by run]): every operation is element-wise, so a
+    # span's elements step as a call of its own would step them.
     spans = [(lo, hi, group.of(hyper)) for lo, hi, group in runs.spans(param.numel(), GroupHyper(hyper.weight_decay))]
-    # Python floats: torch rounds each to fp32 exactly as the kernel's static_cast<float> does.
-    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - hyper.beta2**step) if hyper.bias_correction else 1.0
-
     master, param = param, param.float()  # a bf16 master is widened, stepped, and rounded back below
     g = grad.float() * grad_scale
-    if not hyper.decoupled:
-        for lo, hi, h in spans:
-            if h.weight_decay:
-                g[lo:hi].add_(param[lo:hi] * h.weight_decay)
     # In fp32 whatever the moments' storage; bf16 or 8-bit moments are rounded only when stored back.
     codes = isinstance(exp_avg, BlockCodes)
     m, v = decode_moments(exp_avg, exp_avg_sq) if codes else (exp_avg.float(), exp_avg_sq.float())
-    m = m.mul_(hyper.beta1).add_(g * (1.0 - hyper.beta1))
-    v = v.mul_(hyper.beta2).add_((g * g) * (1.0 - hyper.beta2))
-    if hyper.decoupled:
-        for lo, hi, h in spans:
-            if h.weight_decay:
-                param[lo:hi].mul_(1.0 - h.lr * h.weight_decay)
-    update = m.div(sqrt_exact(v).mul_(inv_bc2_sqrt).add_(hyper.eps))
     for lo, hi, h in spans:
-        param[lo:hi].sub_(update[lo:hi].mul_(h.lr / (1.0 - h.beta1**step) if h.bias_correction else h.lr))
+        _step_span(param[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], h, step)
     if codes:
         encode_moments(m, v, exp_avg, exp_avg_sq)
     elif exp_avg.dtype != torch.float32:
@@ -65,3 +51,16 @@ def adam_step_torch(
     if out is not None:
         out.copy_(param)
 
+
+def _step_span(param: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: AdamHyper, step: int) -> None:
+    """Note [bit-identical Adam] on fp32 views, in place. Python floats: torch
+    rounds each to fp32 exactly as the kernel's static_cast<float> does."""
+    if h.weight_decay and not h.decoupled:
+        g.add_(param * h.weight_decay)
+    m.mul_(h.beta1).add_(g * (1.0 - h.beta1))
+    v.mul_(h.beta2).add_((g * g) * (1.0 - h.beta2))
+    if h.weight_decay and h.decoupled:
+        param.mul_(1.0 - h.lr * h.weight_decay)
+    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - h.beta2**step) if h.bias_correction else 1.0
+    update = m.div(sqrt_exact(v).mul_(inv_bc2_sqrt).add_(h.eps))
+    param.sub_(update.mul_(h.lr / (1.0 - h.beta1**step) if h.bias_correction else h.lr))

@@ -19,22 +19,28 @@ from offload.optim.hyper import AdamHyper, require
 
 @dataclass(frozen=True)
 class GroupHyper:
-    """What a parameter group sets for itself: its weight decay, and its
-    learning rate as a factor on the call's (so a schedule moves every group's
-    rate alike)."""
+    """What a parameter group sets for itself: its weight decay, its learning
+    rate as a factor on the call's (so a schedule moves every group's rate
+    alike), and its betas and eps where they are not the call's (None)."""
 
     weight_decay: float
     lr_scale: float = 1.0
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                 f"weight_decay must be finite and >= 0, got {self.weight_decay}")
         require(math.isfinite(self.lr_scale) and self.lr_scale >= 0,
                 f"lr_scale must be finite and >= 0, got {self.lr_scale}")
+        if self.betas is not None or self.eps is not None:
+            self.of(AdamHyper())  # AdamHyper checks betas and eps
 
     def of(self, hyper: AdamHyper) -> AdamHyper:
         """The hyper-parameters this group's elements step with in a call of ``hyper``."""
-        return dataclasses.replace(hyper, lr=hyper.lr * self.lr_scale, weight_decay=self.weight_decay)
+        beta1, beta2 = self.betas if self.betas is not None else (hyper.beta1, hyper.beta2)
+        return dataclasses.replace(hyper, lr=hyper.lr * self.lr_scale, weight_decay=self.weight_decay, beta1=beta1,
+                                   beta2=beta2, eps=hyper.eps if self.eps is None else self.eps)
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,13 @@ class GroupRuns:
             yield at, n, default
 
     @functools.cached_property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The native call's arrays: bounds (int64, lo and hi of each run), weight
-        decays and lr scales (float64)."""
-        return (torch.tensor([b for lo, hi, _ in self.runs for b in (lo, hi)], dtype=torch.int64),
-                torch.tensor([group.weight_decay for *_, group in self.runs], dtype=torch.float64),
-                torch.tensor([group.lr_scale for *_, group in self.runs], dtype=torch.float64))
+    def bounds(self) -> torch.Tensor:
+        """The native call's bounds (int64): lo and hi of each run."""
+        return torch.tensor([b for lo, hi, _ in self.runs for b in (lo, hi)], dtype=torch.int64)
+
+    def hypers(self, hyper: AdamHyper) -> torch.Tensor:
+        """The native call's hyper-parameters of each run in a call of ``hyper``
+        (float64, a row of native/adam_args.h's kRun* values each)."""
+        rows = [(h.weight_decay, group.lr_scale, h.beta1, h.beta2, h.eps)
+                for *_, group in self.runs for h in (group.of(hyper),)]
+        return torch.tensor(rows, dtype=torch.float64)

@@ -123,23 +123,24 @@ class DeviceOptimizer(ShardOptimizer):
         self._master = torch.zeros(numel, device=device)
         self._master.grad = torch.zeros_like(self._master)
         self._exp_avg, self._exp_avg_sq = torch.zeros_like(self._master), torch.zeros_like(self._master)
-        # Groups' own rates (Note [parameter groups]): torch's Adam or AdamW steps the spans of each rate as one
-        # param group of views of the flat master, whose moments are views of the flat moments. Weight decay
-        # is applied in step(), the way torch applies it, to the spans of each (decay, rate) at once: a kernel
-        # launch per pair of values, not per span.
-        by_rate: dict[float, list[tuple[int, int]]] = {}
+        # Groups' own hyper-parameters (Note [parameter groups]): torch's Adam or AdamW steps the spans of each
+        # (rate, betas, eps) as one param group of views of the flat master, whose moments are views of the flat
+        # moments. Weight decay is applied in step(), the way torch applies it, to the spans of each (decay,
+        # rate) at once: a kernel launch per set of values, not per span.
+        by_group: dict[GroupHyper, list[tuple[int, int]]] = {}
         self._decayed: dict[GroupHyper, list[tuple[int, int]]] = {}
         for lo, hi, group in runs.spans(numel, GroupHyper(p.weight_decay)):
-            spans = by_rate.setdefault(group.lr_scale, [])
-            if spans and spans[-1][1] == lo:  # neighbours of one rate: one parameter
+            spans = by_group.setdefault(dataclasses.replace(group, weight_decay=0.0), [])
+            if spans and spans[-1][1] == lo:  # neighbours of one group: one parameter
                 spans[-1] = (spans[-1][0], hi)
             else:
                 spans.append((lo, hi))
             if group.weight_decay:
                 self._decayed.setdefault(group, []).append((lo, hi))
         cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
-        self._torch_opt = cls([{"params": [self._span(lo, hi) for lo, hi in spans], "lr_scale": scale}
-                               for scale, spans in by_rate.items()], lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=0.0)
+        self._torch_opt = cls([{"params": [self._span(lo, hi) for lo, hi in spans], "lr_scale": group.lr_scale,
+                                "betas": group.betas or tuple(p.betas), "eps": p.eps if group.eps is None else group.eps}
+                               for group, spans in by_group.items()], lr=p.lr, weight_decay=0.0)
         self._set_state(0)
 
     def _span(self, lo: int, hi: int) -> torch.Tensor:

@@ -111,10 +111,11 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
             assert all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
 
 
-# Cut at no vector, block or thread boundary; three of them meet; the call's own values between. Decay alone,
-# rate alone (a third of the call's: not exact in binary), both.
+# Cut at no vector, block or thread boundary; three of them meet, two others too; the call's own values
+# between. Decay alone, rate alone (a third of the call's: not exact in binary), both, betas, eps.
 RUNS = GroupRuns(((5, 1000, GroupHyper(0.0)), (1000, 40_001, GroupHyper(0.3)),
-                  (40_001, 50_000, GroupHyper(0.1, 1 / 3)), (70_001, 100_003, GroupHyper(0.0, 4.0))))
+                  (40_001, 50_000, GroupHyper(0.1, 1 / 3)), (52_003, 60_000, GroupHyper(0.1, 1.0, (0.8, 0.95))),
+                  (60_000, 64_001, GroupHyper(0.1, 1.0, None, 1e-2)), (70_001, 100_003, GroupHyper(0.0, 4.0))))
 
 
 @pytest.mark.parametrize("impl", [pytest.param(adam_step, marks=requires_native, id="native"),
@@ -133,8 +134,10 @@ def test_runs_step_as_calls_of_their_own_hyper_parameters(impl, isa, decoupled, 
     whole = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
     parts = [t.clone() for t in whole]
     spans = list(RUNS.spans(n, GroupHyper(hyper.weight_decay)))
-    assert [(g.weight_decay, g.lr_scale) for *_, g in spans] == [(0.1, 1), (0.0, 1), (0.3, 1), (0.1, 1 / 3),
-                                                                  (0.1, 1), (0.0, 4)]
+    call = GroupHyper(0.1)
+    assert [g for *_, g in spans] == [call, GroupHyper(0.0), GroupHyper(0.3), GroupHyper(0.1, 1 / 3), call,
+                                      GroupHyper(0.1, 1.0, (0.8, 0.95)), GroupHyper(0.1, 1.0, None, 1e-2), call,
+                                      GroupHyper(0.0, 4.0)]
     for step in range(1, 4):
         grad = torch.randn(n)
         impl(*whole[:1], grad, *whole[1:], hyper, step, runs=RUNS)
@@ -144,7 +147,7 @@ def test_runs_step_as_calls_of_their_own_hyper_parameters(impl, isa, decoupled, 
     assert all(torch.equal(a, b) for a, b in zip(whole, parts))
     untouched = torch.randn(n)
     moved = _two_steps(untouched, hyper, RUNS) != _two_steps(untouched, hyper, GroupRuns())
-    assert [bool(moved[lo:hi].all()) for lo, hi, _ in RUNS.runs] == [True] * 4  # every run's values tell
+    assert [bool(moved[lo:hi].all()) for lo, hi, _ in RUNS.runs] == [True] * 6  # every run's values tell
 
 
 def _two_steps(param, hyper, runs):
@@ -162,6 +165,10 @@ def test_runs_are_checked():
         GroupHyper(-1.0)
     with pytest.raises(UsageError, match="lr_scale must be finite"):
         GroupHyper(0.0, math.inf)
+    with pytest.raises(UsageError, match=r"beta2 \(betas\[1\]\) must be in \[0, 1\), got 1.0"):
+        GroupHyper(0.0, 1.0, (0.9, 1.0))
+    with pytest.raises(UsageError, match="eps must be finite and >= 0, got -1"):
+        GroupHyper(0.0, 1.0, None, -1.0)
     with pytest.raises(UsageError, match="runs end at element 9, past param's 8"):
         adam_step(*_good(8).values(), AdamHyper(), 1, runs=GroupRuns(((0, 9, GroupHyper(0.0)),)))
     none, some = GroupHyper(0.0), GroupHyper(0.1, 2.0)
@@ -371,7 +378,7 @@ def test_native_checks_what_it_is_given():
                            "exp_avg_scale and exp_avg_sq_scale overlap"),
     }
     no_checksum = (None, 0, 0, None)
-    no_runs = (None, None, None, 0)
+    no_runs = (None, None, 0)
     crcs = torch.zeros(1, dtype=torch.int32)
     checksum_cases = {
         "no length": (p + 256, 0, 4096, crcs.data_ptr()),
@@ -385,18 +392,22 @@ def test_native_checks_what_it_is_given():
     for bad, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):
             _native.check(step(*bad, *no_checksum, *no_runs))
-    run_cases = [  # (message, bounds of two runs over the 8 elements, their weight decays, their lr scales)
-        ("run 1 is \\[2, 6\\)", [0, 4, 2, 6], [0.0, 0.1], [1.0, 2.0]),
-        ("run 0 is \\[3, 3\\)", [3, 3, 4, 5], [0.0, 0.1], [1.0, 2.0]),
-        ("run 1 is \\[6, 9\\)", [0, 2, 6, 9], [0.0, 0.1], [1.0, 2.0]),
-        ("run 1 has weight_decay -1 and lr scale 2", [0, 2, 4, 6], [0.0, -1.0], [1.0, 2.0]),
-        ("run 0 has weight_decay 0 and lr scale nan", [0, 2, 4, 6], [0.0, 0.1], [math.nan, 2.0]),
-        ("2 runs need their bounds, weight decays and lr scales", None, [0.0, 0.1], [1.0, 2.0]),
-        ("2 runs need their bounds, weight decays and lr scales", [0, 2, 4, 6], [0.0, 0.1], None),
+    good = [0.0, 1.0, 0.9, 0.999, 1e-8]  # a run's weight decay, lr scale, beta1, beta2, eps (native/adam_args.h)
+    run_cases = [  # (message, bounds of two runs over the 8 elements, their hyper-parameters)
+        ("run 1 is \\[2, 6\\)", [0, 4, 2, 6], [good, good]),
+        ("run 0 is \\[3, 3\\)", [3, 3, 4, 5], [good, good]),
+        ("run 1 is \\[6, 9\\)", [0, 2, 6, 9], [good, good]),
+        ("run 1: weight_decay must be finite and >= 0, got -1", [0, 2, 4, 6], [good, [-1.0, *good[1:]]]),
+        ("run 0 has lr scale nan", [0, 2, 4, 6], [[0.0, math.nan, *good[2:]], good]),
+        ("run 1: beta1 must be in \\[0, 1\\), got 1", [0, 2, 4, 6], [good, [0.0, 1.0, 1.0, 0.999, 1e-8]]),
+        ("run 0: beta2 must be in \\[0, 1\\), got -0.5", [0, 2, 4, 6], [[0.0, 1.0, 0.9, -0.5, 1e-8], good]),
+        ("run 1: eps must be finite and >= 0, got inf", [0, 2, 4, 6], [good, [*good[:4], math.inf]]),
+        ("2 runs need their bounds and hyper-parameters", None, [good, good]),
+        ("2 runs need their bounds and hyper-parameters", [0, 2, 4, 6], None),
     ]
     for message, *values in run_cases:
         arrays = [None if v is None else torch.tensor(v, dtype=dtype)
-                  for v, dtype in zip(values, (torch.int64, torch.float64, torch.float64))]
+                  for v, dtype in zip(values, (torch.int64, torch.float64))]
         with pytest.raises(_native.NativeError, match=message):
             _native.check(step(*args, *no_checksum, *(a if a is None else a.data_ptr() for a in arrays), 2))
     assert all(buf == 0)  # nothing was written

@@ -1,7 +1,7 @@
 """Parameter groups (Note [parameter groups]): each parameter takes its own
-group's weight decay and learning rate, as in torch.optim.AdamW (and Adam with
-L2 decay) given the same groups, at every stage and tier, world sizes 1 and 2,
-and under a schedule; bad groups are refused by name."""
+group's weight decay, learning rate, betas and eps, as in torch.optim.AdamW
+(and Adam with L2 decay) given the same groups, at every stage and tier, world
+sizes 1 and 2, and under a schedule; bad groups are refused by name."""
 
 import copy
 import os
@@ -27,12 +27,14 @@ TOLERANCE = 1e-5  # as tests/zero/test_equivalence.py; ignoring the groups moves
 
 
 def three_groups(model):
-    """Matrices at the config's decay and rate (3e-3); the embedding (tied to the head) at its own decay and a
-    third of the rate (not exact in binary); the rest at no decay and twice the rate."""
+    """Matrices at the config's hyper-parameters (lr 3e-3); the embedding (tied to the head) at its own decay,
+    a third of the rate (not exact in binary) and its own eps; the rest at no decay, twice the rate and their
+    own betas."""
     embed = model.embed.weight
     matrices = [p for p in model.parameters() if p.dim() > 1 and p is not embed]
-    return [{"params": matrices}, {"params": [embed], "weight_decay": 0.3, "lr": 1e-3},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 6e-3}]
+    return [{"params": matrices}, {"params": [embed], "weight_decay": 0.3, "lr": 1e-3, "eps": 1e-4},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 6e-3,
+             "betas": (0.8, 0.95)}]
 
 
 def _config(stage, device, tmp_path, param_device=None, l2=False, **extra):
@@ -102,13 +104,16 @@ def _refused(groups_of, message, cfg=None):
 
 
 def test_bad_groups_are_refused_by_name():
-    _refused(lambda m: [{"params": list(m.parameters()), "eps": 1e-6}],
-             r"param_groups\[0\] sets eps 1e-06 where the config's optimizer.params has 1e-08: offload takes every "
-             "hyper-parameter but lr and weight_decay from the config")
+    _refused(lambda m: [{"params": list(m.parameters()), "amsgrad": True}],
+             r"param_groups\[0\] sets amsgrad True where the config's optimizer has False: offload takes it from "
+             "the config, the same for all groups; drop it from the group")
     _refused(lambda m: [{"params": list(m.parameters()), "lr": -1e-3}],
              r"param_groups\[0\]\['lr'\] is -0.001; give a finite number >= 0")
-    _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 0.999]}],
-             r"param_groups\[0\] sets betas \[0.9, 0.999\] where the config's optimizer.params has \(0.9, 0.99\)")
+    _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 1.0]}],
+             r"param_groups\[0\]\['betas'\] is \[0.9, 1.0\]; give two numbers in \[0, 1\), as \(0.9, 0.999\)")
+    _refused(lambda m: [{"params": list(m.parameters()), "betas": 0.9}], r"param_groups\[0\]\['betas'\] is 0.9; give")
+    _refused(lambda m: [{"params": list(m.parameters()), "eps": -1e-8}],
+             r"param_groups\[0\]\['eps'\] is -1e-08; give a finite number >= 0")
     _refused(lambda m: [{"params": list(m.parameters()), "weight_decay": -0.1}],
              r"param_groups\[0\]\['weight_decay'\] is -0.1")
     _refused(lambda m: [{"params": list(m.parameters())}, {"params": [m.gain]}],
@@ -174,11 +179,15 @@ def test_a_checkpoint_records_the_groups_and_a_load_says_when_they_differ(tmp_pa
                 engine.load_checkpoint(str(tmp_path / "ckpt"))
         said[grouped] = [str(w.message) for w in caught if "load_checkpoint" in str(w.message)]
     assert said[True] == []
-    decay, rate = said[False]
+    decay, rate, betas, eps = said[False]
     assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in decay, said
     assert "were trained with another weight decay than this engine applies (gain: 0.0 saved, 0.1 now)" in decay
     assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in rate, said
     assert "another rate relative to the config's than this engine applies (gain: 2.0 saved, 1.0 now)" in rate
+    assert "load_checkpoint: 6 parameters (gain, blocks.0.0.bias, " in betas, said
+    assert "another betas than this engine applies (gain: (0.8, 0.95) saved, the config's now)" in betas
+    assert "load_checkpoint: 1 parameters (embed.weight) were trained with another eps than this engine applies " \
+           "(embed.weight: 0.0001 saved, the config's now)" in eps
 
 
 # A warm-up to 4.5e-3, where the config's optimizer.params.lr is 3e-3: a group's lr is its rate at the peak.

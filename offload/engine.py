@@ -14,6 +14,20 @@ Per optimizer step on each rank (Note [flat layout] in zero/layout.py):
 State dicts, exports and restoring the model at close are assembled from the
 master weights by zero/consolidate.py; checkpoints go through the narrow
 interface ``checkpoint.save_load.Checkpointable``; reports are report.py's.
+
+Note [buffers in low precision]
+With bf16 or fp16, the buffers that are part of the model's state
+(persistent: BatchNorm's running statistics, BART's final_logits_bias) run
+in the compute dtype, as the parameters do: the forward mixes them with
+activations, which a wider buffer would widen (or, on the CPU, refuse).
+Non-persistent ones keep the dtype the model gave them. They are tables
+derived from the config, above all a rotary embedding's frequencies
+(``inv_freq``), which transformers builds in fp32 even under
+``from_pretrained(dtype=torch.bfloat16)``: rounded to bf16, a frequency
+moves by up to 0.37%, and the angle at position 4096 by up to 5 radians
+(7 at Llama 3's theta). DeepSpeed casts every buffer, and so trains on other
+position encodings than the exported model then uses. A model that wants a
+non-persistent buffer in the compute dtype casts it before ``initialize``.
 """
 
 from __future__ import annotations
@@ -138,7 +152,7 @@ class Engine:
             for bucket in self.layout.buckets:
                 self._give_master(bucket)
             self.optimizer.finish_master()
-            model.to(self.device, self.dtype)
+            self._to_compute_dtype(model, partitioned=lambda p: False)
             self.weights = ReplicatedWeights(self.layout, self.device, self.dtype, where, tier, offload.delayed_update,
                                              self.transfer, holds_master=self.optimizer.master_in_weights)
         self.reducer.install()
@@ -195,14 +209,22 @@ class Engine:
             for param in model.parameters():
                 ready(param)
         self.optimizer.finish_master()
-        for module in model.modules():  # what is not partitioned runs in the compute dtype too
+        self._to_compute_dtype(model, partitioned=self.weights.manages)
+        self.weights.finish()
+
+    def _to_compute_dtype(self, model: torch.nn.Module, partitioned: Callable[[torch.Tensor], bool]) -> None:
+        """The parameters not ``partitioned`` and the buffers move to the
+        accelerator, the floating ones in the compute dtype, but for derived
+        tables (Note [buffers in low precision])."""
+        for module in model.modules():
             for name, p in module._parameters.items():
-                if p is not None and not self.weights.manages(p):
+                if p is not None and not partitioned(p):
                     p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
             for name, b in module._buffers.items():
                 if b is not None:
-                    module._buffers[name] = b.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
-        self.weights.finish()
+                    derived = name in module._non_persistent_buffers_set
+                    module._buffers[name] = b.to(self.device, self.dtype if b.is_floating_point() and not derived
+                                                 else b.dtype)
 
     # -- training ------------------------------------------------------------------
 

@@ -134,3 +134,21 @@ def test_a_hugging_face_architecture_trains_at_stage_3_as_adamw(tmp_path, name):
             prompt = {"input_ids": batches[0]["input_ids"], "max_new_tokens": 4, "do_sample": False}
             with torch.no_grad():
                 assert torch.equal(engine.module.generate(**prompt), ref.generate(**prompt))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_runs_a_rotary_model_as_hugging_face_loads_it_in_bf16(tmp_path, stage):
+    """Note [buffers in low precision]: the rotary frequencies stay fp32, as
+    from_pretrained(dtype=torch.bfloat16) keeps them, so the engine computes
+    the logits of the model a user loads from its export."""
+    model = _without_dropout(MODELS["llama"][0](transformers))
+    model.save_pretrained(tmp_path / "hf")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
+    x = _tokens(torch.Generator().manual_seed(1), length=48)  # far enough along for rounded frequencies to show
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"},
+                                 **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}}
+    with offload.initialize(model, cfg) as engine, torch.no_grad():
+        assert torch.equal(engine(input_ids=x).logits, loaded(input_ids=x).logits)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from offload.errors import UsageError
+
 PREFIX = "offload-run-"
 OWNER = "owner.json"
 OWNERLESS_GRACE_S = 60.0
@@ -45,7 +47,11 @@ def _me() -> dict:
 def make(nvme_path: str) -> str:
     """A new run directory in ``nvme_path``, owned by this process; warns about stale ones first."""
     _warn_stale(nvme_path)
-    path = tempfile.mkdtemp(prefix=PREFIX, dir=nvme_path)
+    try:
+        path = tempfile.mkdtemp(prefix=PREFIX, dir=nvme_path)
+    except OSError as exc:  # os.access passes root where the filesystem refuses (read-only, sysfs)
+        raise UsageError(f"nvme_path {nvme_path!r}: cannot make a run directory there ({exc.strerror}); point "
+                         "nvme_path at a writable directory on a local disk") from exc
     fd = os.open(os.path.join(path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(_me(), f)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from offload.cli import main
+from offload.errors import UsageError
 from offload.store import TieredStore, run_dirs
 
 CHILD = """
@@ -88,3 +89,17 @@ def test_a_closed_store_leaves_nothing_and_a_reused_pid_is_not_its_owner(tmp_pat
     assert [s.why for s in run_dirs.stale(str(tmp_path))] == [f"process {os.getpid()}, gone"]
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_the_filesystem_refuses_to_write_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    """os.access lets root pass where a read-only or virtual filesystem then
+    refuses (sysfs: EPERM); the store and the command line name nvme_path."""
+    def refuse(**kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(run_dirs.tempfile, "mkdtemp", refuse)
+    with pytest.raises(UsageError, match=rf"nvme_path '{tmp_path}': cannot make a run directory there \(Operation "
+                                         "not permitted\\); point nvme_path at a writable directory on a local disk"):
+        TieredStore(nvme_path=str(tmp_path))
+    assert main(["train", "--model", "tiny", "--steps", "1", "--nvme-path", str(tmp_path)]) == 2
+    assert "cannot make a run directory there" in capsys.readouterr().err

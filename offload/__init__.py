@@ -28,13 +28,14 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     names ``/local_nvme``; point it at a directory on this machine's disk).
     ``weights``: a safetensors file or model directory loaded into the engine
     (``load_weights``, with ``allow_missing``); a meta-built module it fully
-    covers needs no initialiser of its own. ``param_groups``: the weight decay
-    and learning rate of each parameter, as a torch optimizer's groups or
-    DeepSpeed's ``model_parameters`` give them, e.g. ``[{"params": decayed},
-    {"params": norms_and_biases, "weight_decay": 0.0}]``; a group without
-    ``weight_decay`` or ``lr`` takes the config's, a group's rate follows the
-    schedule in proportion, and all other hyper-parameters are the config's
-    (Note [parameter groups]; default: every parameter takes the config's)."""
+    covers needs no initialiser of its own. ``param_groups``: the weight
+    decay, learning rate, betas and eps of each parameter, as a torch
+    optimizer's groups or DeepSpeed's ``model_parameters`` give them, e.g.
+    ``[{"params": decayed}, {"params": norms_and_biases, "weight_decay":
+    0.0}]``; a group without one of those keys takes the config's, a group's
+    rate follows the schedule in proportion, and all other settings are the
+    config's (Note [parameter groups]; default: every parameter takes the
+    config's)."""
     config = Config.load(config, nvme_path)
     if weights is None:
         return Engine(model, config, init_fn, param_groups)

@@ -225,7 +225,8 @@ def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.n
         if fallback is None and not hasattr(module, "reset_parameters"):
             raise UsageError(f"{', '.join(missing)} missing from {path}, and {type(module).__name__} has no "
                              "reset_parameters() to give it a value; add the key to the checkpoint or pass "
-                             "init_fn to offload.initialize")
+                             "init_fn to offload.initialize (for a Hugging Face model, init_fn=model._init_weights, "
+                             "its own initialiser, as offload.from_pretrained does)")
         (fallback or default_init)(module)
 
     return init

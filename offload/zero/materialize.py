@@ -29,7 +29,8 @@ def default_init(module: torch.nn.Module) -> None:
         return
     if not hasattr(module, "reset_parameters"):
         raise UsageError(f"{type(module).__name__} has its own parameters or buffers but no reset_parameters(), so a "
-                         "meta-built copy cannot be initialised; pass init_fn to offload.initialize")
+                         "meta-built copy cannot be initialised; pass init_fn to offload.initialize (for a Hugging Face "
+                         "model, init_fn=model._init_weights, its own initialiser, as offload.from_pretrained does)")
     module.reset_parameters()
 
 

@@ -67,10 +67,16 @@ class AdamParams:
     eps: float = _f(1e-8, "added to the denominator", ge=0)
     weight_decay: float = _f(0.0, "weight decay (decoupled in AdamW mode, else L2)", ge=0)
     adam_w_mode: bool = _f(True, "decoupled (AdamW) weight decay; as in DeepSpeed, also for type Adam")
+    bias_correction: bool = _f(True, "divide the moments by 1 - beta^step, as DeepSpeed's Adam does unless false; "
+                                     "false needs offload_optimizer.device cpu or nvme")
+    amsgrad: bool = _f(False, "AMSGrad is not implemented: true is refused")
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optimizer.params.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.amsgrad:
+            raise ConfigError("optimizer.params.amsgrad is true, but AMSGrad is not implemented; set it false or "
+                              "remove it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +261,9 @@ class Config:
             raise ConfigError(f"{_named(offload.state_dtype, 'state_dtype', 'bf16.bf16_optimizer_states')} "
                               f"needs zero_optimization.offload_optimizer."
                               "device cpu or nvme: on the accelerator the optimizer is torch's AdamW, with fp32 moments")
+        if not self.optimizer.params.bias_correction and offload.device == "none":
+            raise ConfigError("optimizer.params.bias_correction false needs zero_optimization.offload_optimizer.device "
+                              "cpu or nvme: on the accelerator the optimizer is torch's AdamW, which always corrects")
         if offload.delayed_update and offload.device == "none":
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 
@@ -322,13 +331,16 @@ def _named(given: str | None, key: str, deepspeed_key: str) -> str:
 # DeepSpeed keys that only tune DeepSpeed's own machinery: accepted, warned about once.
 TUNING_KEYS = {
     "": {"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
-         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "timers", "prescale_gradients"},
+         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "timers", "prescale_gradients",
+         "zero_force_ds_cpu_optimizer"},
     "zero_optimization": {"allgather_bucket_size", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
                           "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
                           "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_reuse_distance",
                           "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
     "zero_optimization.offload_optimizer": {"fast_init"},
     "aio": {"single_submit", "overlap_events"},  # the native engine always batches submissions and reaps while submitting
+    # DeepSpeed picks between its own Adam kernels with these; offload's CPU Adam is the one it has.
+    "optimizer.params": {"torch_adam"},
 }
 
 # DeepSpeed keys whose meaning this engine does not implement: errors that say so.
@@ -338,8 +350,17 @@ REFUSED_KEYS = {
          "moe": "mixture-of-experts is not implemented", "activation_checkpointing": "use torch.utils.checkpoint in the model",
          "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",
          "gradient_predivide_factor": "gradients are averaged once, after the reduction",
-         "communication_data_type": "gradients are reduced in the compute dtype"},
-    "zero_optimization": {"cpu_offload": "use offload_optimizer.device = cpu"},
+         "communication_data_type": "gradients are reduced in the compute dtype",
+         "data_types": "the gradient accumulation dtype is not configurable here",
+         "checkpoint": "DeepSpeed's checkpoint options are not implemented; offload's checkpoints load at any world "
+                       "size by themselves (what load_universal is for)"},
+    "zero_optimization": {"cpu_offload": "use offload_optimizer.device = cpu",
+                          "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ) is not implemented",
+                          "zero_quantized_weights": "quantized weight gathers (ZeRO++ qwZ) are not implemented",
+                          "zero_quantized_gradients": "quantized gradient reduction (ZeRO++ qgZ) is not implemented",
+                          "zero_quantized_nontrainable_weights": "quantized frozen weights are not implemented",
+                          "mics_shard_size": "MiCS partitioning is not implemented",
+                          "mics_hierarchical_params_gather": "MiCS partitioning is not implemented"},
     "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
     "fp16": {"auto_cast": "compute dtype follows the model's parameters; auto_cast is not implemented"},
 }

@@ -17,7 +17,9 @@ DEEPSPEED_FILE = {
     "gradient_clipping": 1.0,
     "steps_per_print": 100,
     "wall_clock_breakdown": False,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "zero_force_ds_cpu_optimizer": True,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                              "torch_adam": False, "amsgrad": False, "bias_correction": True}},
     "bf16": {"enabled": True},
     "zero_optimization": {
         "stage": 2, "allgather_bucket_size": 5e8, "reduce_bucket_size": 5e8, "overlap_comm": True,
@@ -38,7 +40,8 @@ def test_a_deepspeed_file_loads_with_one_warning_listing_tuning_keys(tmp_path):
     assert len(caught) == 1
     message = str(caught[0].message)
     for key in ("steps_per_print", "wall_clock_breakdown", "zero_optimization.allgather_bucket_size",
-                "zero_optimization.round_robin_gradients", "zero_optimization.offload_optimizer.fast_init"):
+                "zero_optimization.round_robin_gradients", "zero_optimization.offload_optimizer.fast_init",
+                "zero_force_ds_cpu_optimizer", "optimizer.params.torch_adam"):
         assert key in message
     assert config.zero_optimization.offload_optimizer.device == "nvme"
     assert config.zero_optimization.sub_group_size == 1_000_000_000  # 1e9 in JSON is a float
@@ -70,6 +73,13 @@ def test_defaults_need_no_warning():
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable at most one"),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is not set"),
         ({"pipeline": {"stages": 2}}, "pipeline: pipeline parallelism is not implemented"),
+        ({"zero_optimization": {"zero_hpz_partition_size": 8}},
+         "zero_optimization.zero_hpz_partition_size: hierarchical partitioning"),
+        ({"checkpoint": {"load_universal": True}}, "checkpoint: DeepSpeed's checkpoint options are not implemented"),
+        ({"optimizer": {"params": {"amsgrad": True}}}, "optimizer.params.amsgrad is true, but AMSGrad is not "
+                                                       "implemented; set it false or remove it"),
+        ({"optimizer": {"params": {"bias_correction": False}}},
+         "optimizer.params.bias_correction false needs zero_optimization.offload_optimizer.device cpu or nvme"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "gradients_on_nvme": True}}},
          "gradients_on_nvme needs device nvme"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "delayed_update": True}}},

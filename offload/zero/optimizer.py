@@ -58,10 +58,10 @@ class ShardOptimizer:
     """What both optimizers share: hyper-parameters, sub-groups, the step count."""
 
     def __init__(self, numel: int, config: Config, runs: GroupRuns) -> None:
-        """``runs``: owned elements whose weight decay or rate is not the config's (Note [parameter groups])."""
+        """``runs``: owned elements whose hyper-parameters are not the config's (Note [parameter groups])."""
         p = config.optimizer.params
         self.hyper = AdamHyper(lr=p.lr, beta1=p.betas[0], beta2=p.betas[1], eps=p.eps, weight_decay=p.weight_decay,
-                               decoupled=p.adam_w_mode)
+                               decoupled=p.adam_w_mode, bias_correction=p.bias_correction)
         self.numel = numel
         self.groups = SubGroups.of(numel, config.zero_optimization.sub_group_size)
         self.runs = runs

@@ -403,3 +403,33 @@ def test_deepspeeds_engine_methods(tmp_path):
     expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in reference.parameters()])).item()
     with train_engine(make_model(), 1, 1, {**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}) as engine:
         assert engine.get_global_grad_norm() == pytest.approx(expected, rel=1e-2)  # fp16 needs it, clipping or not
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_bias_correction_false_steps_without_it(tmp_path, device):
+    """DeepSpeed's optimizer.params.bias_correction false: no 1 - beta^t
+    divisors, against AdamW written out in float64 (with them, the first step
+    alone would differ by a factor of 3, 0.1 / sqrt(1 - 0.999))."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = [p.detach().double().clone() for p in model.parameters()]
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in ref]
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.1
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [b1, b2], "eps": eps, "weight_decay": wd,
+                                                     "bias_correction": False}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}}
+    with offload.initialize(model, cfg) as engine:
+        for _ in range(3):
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            params = [p.requires_grad_() for p in ref]
+            grads = torch.autograd.grad(nn.functional.linear(x.double(), *params).square().mean(), params)
+            with torch.no_grad():
+                for p, g, (m, v) in zip(ref, grads, moments):
+                    p.mul_(1 - lr * wd)
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    p.sub_(lr * m / (v.sqrt() + eps))
+        state = engine.state_dict()
+    assert max((state[k].double() - p).abs().max().item() for k, p in zip(("weight", "bias"), ref)) < 1e-6

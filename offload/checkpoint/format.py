@@ -207,6 +207,11 @@ def resolve(path: str, tag: str | None = None) -> str:
             raise CheckpointError(f"{path}: no checkpoint here (neither {MANIFEST} nor {LATEST}); "
                                   f"pass a checkpoint directory or the save directory of one") from None
     directory = os.path.join(path, tag)
+    if not os.path.isdir(directory):
+        tags = sorted(t for t in os.listdir(path) if os.path.isfile(os.path.join(path, t, MANIFEST))) \
+            if os.path.isdir(path) else []
+        raise CheckpointError(f"{path} has no checkpoint tagged {tag!r}; "
+                              + (f"its tags: {', '.join(tags)}" if tags else "it holds no complete checkpoint"))
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
     return directory

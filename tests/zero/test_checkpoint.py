@@ -230,8 +230,11 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     engine.close()
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint here"):
         checkpoint.resolve(str(tmp_path))
-    with pytest.raises(checkpoint.CheckpointError, match="never completed"):
+    with pytest.raises(checkpoint.CheckpointError, match="ckpt has no checkpoint tagged 'zzz'; its tags: a$"):
         checkpoint.resolve(str(tmp_path / "ckpt"), "zzz")
+    (tmp_path / "ckpt" / "half").mkdir()  # a tag directory without a manifest
+    with pytest.raises(checkpoint.CheckpointError, match="half: no manifest.json; this tag was never completed"):
+        checkpoint.resolve(str(tmp_path / "ckpt"), "half")
     torch.manual_seed(0)
     other = TinyLM(layers=2)
     with offload.initialize(other, case_config(2, "cpu", None, None)) as engine:

@@ -233,6 +233,8 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "chosen: stage 2, optimizer none" in printed
     assert printed.strip().endswith(f'wrote {out}; use it: engine = offload.initialize(model, "{out}")')
+    assert set(json.loads(out.read_text())) == {"train_micro_batch_size_per_gpu", "bf16", "zero_optimization"}  # no
+    # training choice (clipping, the optimizer) that the plan's memory figures do not depend on
     assert main(["train", "--config", str(out), "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
 
 

@@ -103,7 +103,7 @@ def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, 
     if stage == 3:
         zero["offload_param"] = {"device": weights, **({"nvme_path": nvme_path, "max_in_cpu": in_cpu}
                                                         if weights == "nvme" else {})}
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16},
             "zero_optimization": zero}
 
 

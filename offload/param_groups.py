@@ -57,6 +57,7 @@ GroupsLike = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 IGNORED = {"name", "param_names", "moe", "foreach", "fused", "capturable", "differentiable"}
 OWN_NAMES = ("lr", "weight_decay", "betas", "eps")  # what a group may set for itself
 OWN = {"params", "initial_lr", *OWN_NAMES}
+_OPTIONAL = f"(and optionally its own {', '.join(repr(k) for k in OWN_NAMES)})"
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
     """Torch's forms: parameters or (name, parameter) pairs (one group), or dicts each with ``params``."""
     if isinstance(groups, torch.nn.Module):
         raise UsageError(f"param_groups was given the model ({type(groups).__name__}); pass model.parameters(), or a "
-                         "list of dicts with 'params' (and optionally 'weight_decay' and 'lr')")
+                         f"list of dicts with 'params' {_OPTIONAL}")
     if isinstance(groups, (torch.Tensor, dict)) or not isinstance(groups, Iterable):
         raise UsageError("param_groups takes a list of parameters or of dicts with 'params' (as torch optimizers "
                          f"do), got a {type(groups).__name__}; wrap it in a list")
@@ -131,7 +132,7 @@ def _groups(groups: GroupsLike) -> list[dict[str, Any]]:
         if not isinstance(group, dict) or "params" not in group:
             raise UsageError(f"param_groups[{index}] is {type(group).__name__}"
                              f"{' without params' if isinstance(group, dict) else ''}; give every group as a dict "
-                             "with 'params' (and optionally 'weight_decay' and 'lr'), or a plain list of parameters")
+                             f"with 'params' {_OPTIONAL}, or a plain list of parameters")
     return groups
 
 

@@ -20,9 +20,11 @@ DeepSpeed:
     on two CPU ranks that is ``cpu:0``, a copy);
   - the optimizer is ``EngineOptimizer``: the Trainer's schedule sets its
     learning rate, and its ``step`` hands that rate to the engine and steps it.
-    With a ``scheduler`` section, that schedule is the config's DeepSpeed one
-    (``DeepSpeedSchedule``), in place of ``lr_scheduler_type``, as under
-    DeepSpeed. Clipping (``max_grad_norm``) is the engine's, from the config;
+    With a ``scheduler`` section, that schedule is the config's DeepSpeed one,
+    in place of ``lr_scheduler_type``, as under DeepSpeed. Either counts the
+    engine's applied steps (``AppliedStepsSchedule``), so a step skipped for
+    an fp16 overflow leaves the rate where it was. Clipping
+    (``max_grad_norm``) is the engine's, from the config;
   - a Trainer checkpoint holds an engine checkpoint (``offload/`` inside
     ``checkpoint-N``) beside the scheduler, RNG and trainer state, so
     ``resume_from_checkpoint`` restores every bit of the training state, and
@@ -52,6 +54,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +62,7 @@ import offload
 from offload.config import Config
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
-from offload.schedule import Schedule, schedule_of
+from offload.schedule import schedule_of
 from offload.zero.materialize import is_meta
 
 try:
@@ -223,24 +226,25 @@ class EngineOptimizer(torch.optim.Optimizer):
         """Nothing to do: the engine consumes gradients as backward makes them."""
 
 
-class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
-    """The config's DeepSpeed schedule as the Trainer's ``lr_scheduler``: the
-    rate of the next step after the engine's applied steps, so a step skipped
-    for an fp16 overflow does not advance it, as under DeepSpeed (Note
-    [schedules count applied steps])."""
+class AppliedStepsSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """A schedule as the Trainer's ``lr_scheduler``, by the engine's applied
+    steps: ``rates(n)`` is each group's rate for the step after n applied ones,
+    so a step skipped for an fp16 overflow does not advance it, as under
+    DeepSpeed and under the Trainer's own AMP (Note [schedules count applied
+    steps]). The engine reports no skip to Accelerate, so the Trainer steps
+    its scheduler after every step: counting steps would move it on."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, engine) -> None:
-        self.schedule, self.engine = schedule, engine
+    def __init__(self, optimizer: torch.optim.Optimizer, rates: Callable[[int], list[float]], engine) -> None:
+        self.rates, self.engine = rates, engine
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:
-        rate = self.schedule.rate(self.engine.applied_steps)
-        return [rate for _ in self.optimizer.param_groups]
+        return self.rates(self.engine.applied_steps)
 
     def state_dict(self) -> dict:
-        """Without the schedule and the engine, which the Trainer rebuilds (its
+        """Without the rates and the engine, which the Trainer rebuilds (its
         checkpoints are loaded with ``weights_only``)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule", "engine")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "rates", "engine")}
 
 
 class _EngineModule(torch.nn.Module):
@@ -315,12 +319,21 @@ class OffloadTrainer(transformers.Trainer):
     # -- the loop's touch points (Note [Trainer wiring]) ------------------------------
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        """The config's scheduler section, if it has one, resolved for this many steps."""
+        """The config's scheduler section, if it has one, resolved for this many
+        steps, else the arguments' ``lr_scheduler_type``: either by the engine's
+        applied steps."""
         if self.lr_scheduler is not None:
             return self.lr_scheduler
         resolved = resolve_config(self._offload_config, self.args, self.model, steps=num_training_steps)
+        optimizer = optimizer or self.optimizer
         if "scheduler" not in resolved:
-            return super().create_scheduler(num_training_steps, optimizer)
+            own = super().create_scheduler(num_training_steps, optimizer)
+            if not isinstance(own, torch.optim.lr_scheduler.LambdaLR):  # reduce_lr_on_plateau: stepped by metrics
+                return own
+            bases, lambdas = own.base_lrs, own.lr_lambdas  # get_scheduler's every per-step schedule is a LambdaLR
+            self.lr_scheduler = AppliedStepsSchedule(optimizer, lambda n: [b * f(n) for b, f in zip(bases, lambdas)],
+                                                     self.engine)
+            return self.lr_scheduler
         params = resolved["scheduler"].get("params", {})
         warmup, total = params.get("warmup_num_steps"), params.get("total_num_steps")
         if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
@@ -328,7 +341,8 @@ class OffloadTrainer(transformers.Trainer):
                               "which offload_config's scheduler takes as its warmup_num_steps and total_num_steps; "
                               "lower warmup_steps or train for more steps")
         schedule = schedule_of(Config.load({k: resolved[k] for k in ("optimizer", "scheduler")}))
-        self.lr_scheduler = DeepSpeedSchedule(optimizer or self.optimizer, schedule, self.engine)
+        self.lr_scheduler = AppliedStepsSchedule(optimizer, lambda n: [schedule.rate(n)] * len(optimizer.param_groups),
+                                                 self.engine)
         self._created_lr_scheduler = True
         return self.lr_scheduler
 

@@ -26,15 +26,16 @@ WARMUP_DECAY = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "wa
                                                     "warmup_num_steps": "auto", "total_num_steps": "auto"}}
 
 
-def warmup_decay_rate(applied: int) -> float:
+def warmup_decay_rate(applied: int, total: int = STEPS) -> float:
     """DeepSpeed's WarmupDecayLR (log warm-up) as its documentation gives it,
-    with the values Hugging Face gives the "auto"s above: the rate of the next
-    step after ``applied`` applied steps (DeepSpeed starts one step back)."""
+    with the values Hugging Face gives the "auto"s above for ``total`` steps:
+    the rate of the next step after ``applied`` applied steps (DeepSpeed
+    starts one step back)."""
     position, warmup = applied - 1, max(2, WARMUP)
     if position < 0:
         return 0.0
     gamma = math.log(position + 1) / math.log(warmup) if position < warmup else \
-        max(0.0, (STEPS - position) / (STEPS - warmup))
+        max(0.0, (total - position) / (total - warmup))
     return LR * gamma
 
 

@@ -7,6 +7,7 @@ under DeepSpeed; "auto" values come from ``TrainingArguments`` and
 disagreements are errors that name both sides."""
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -98,6 +99,39 @@ def test_a_deepspeed_scheduler_section_sets_the_rate_as_under_deepspeed(tmp_path
     assert run.logged(plain, "learning_rate") == pytest.approx(expected, rel=1e-12)
     assert run.logged(trainer, "learning_rate") == pytest.approx(expected, rel=1e-12)
     assert _relative(run.logged(plain, "loss"), run.logged(trainer, "loss")) < TOLERANCE
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("scheduler", [None, run.WARMUP_DECAY], ids=["arguments-schedule", "deepspeed-schedule"])
+def test_a_step_skipped_for_an_fp16_overflow_leaves_the_schedule_where_it_was(tmp_path, scheduler):
+    """As the Trainer holds its schedule when AMP skips a step, and DeepSpeed
+    its own: the step after an overflow runs at the skipped step's rate."""
+    from offload.hf import OffloadTrainer
+
+    class Overflowing(OffloadTrainer):
+        losses = 0
+
+        def compute_loss(self, *args, **kwargs):
+            Overflowing.losses += 1
+            loss = super().compute_loss(*args, **kwargs)
+            return loss * 1e6 if Overflowing.losses == 5 else loss  # the third step's first micro-batch
+
+    config = {**run.offload_config(2), "fp16": {"enabled": "auto", "hysteresis": 1}}
+    if scheduler is not None:
+        config["scheduler"] = scheduler
+    args = dataclasses.replace(run.arguments(str(tmp_path / "out"), max_steps=6), fp16=True)
+    trainer = Overflowing(model=run.tiny_gpt2(), args=args, train_dataset=run.Tokens(), offload_config=config,
+                          nvme_path=str(tmp_path))
+    trainer.train()
+    assert (trainer.engine.applied_steps, trainer.engine.skipped_steps) == (5, 1)
+    rates = run.logged(trainer, "learning_rate")
+    if scheduler is None:
+        schedule = transformers.get_linear_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=run.LR),
+                                                                run.WARMUP, 6)
+        applied = [run.LR * schedule.lr_lambdas[0](k) for k in range(5)]
+    else:
+        applied = [run.warmup_decay_rate(k, total=6) for k in range(5)]
+    assert rates == pytest.approx(applied[:3] + applied[2:], rel=1e-12)  # step 3 skipped: step 4 at its rate
     trainer.engine.close()
 
 

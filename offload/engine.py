@@ -251,6 +251,7 @@ class Engine:
         Hugging Face ``ModelOutput``), a dict with ``"loss"``, or a tuple whose
         first element is the loss."""
         loss = _loss_of(loss)
+        self._refuse_changed_freezing()
         last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
         self._next_ends = None
         if last:
@@ -264,6 +265,18 @@ class Engine:
         self.micro_steps += 1
         self.pending_micro_steps += 1
         self._window_ended = last
+
+    def _refuse_changed_freezing(self) -> None:
+        """The engine trains the parameters trainable when it was made: it
+        partitioned their gradients and optimizer state then. One frozen since
+        would still be stepped (with a zero gradient, as DeepSpeed steps it),
+        one unfrozen would never be, both silently: refused, by name."""
+        changed = [f"{name} {'unfrozen' if p.requires_grad else 'frozen'}" for name, p in self.module.named_parameters()
+                   if p.requires_grad != (p in self.reducer.slot_of)]
+        if changed:
+            raise UsageError(f"requires_grad changed after offload.initialize: {in_brief(changed)}; the engine trains "
+                             "the parameters that were trainable when it was made, so set requires_grad before "
+                             "offload.initialize")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """As in DeepSpeed: whether the next backward ends its accumulation

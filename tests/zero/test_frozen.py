@@ -317,3 +317,25 @@ def test_a_manifest_written_before_frozen_parameters_could_be_left_out_still_loa
     rewrite(lambda data: data.update(unknown=1))
     with pytest.raises(CheckpointError, match="has fields .* the manifest is damaged or from another version"):
         export(str(tmp_path / "saves"), str(tmp_path / "again.safetensors"), torch.float32)
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(1, "none", None), (2, "cpu", None), (3, "nvme", "nvme")])
+def test_freezing_or_unfreezing_after_initialize_is_refused_by_name(tmp_path, stage, device, param_device):
+    """The engine partitioned the gradients and state of the parameters
+    trainable when it was made: one frozen since would go on being stepped
+    (by its zero gradient, as DeepSpeed does), one unfrozen would never train."""
+    model = make_model()
+    model.norm.bias.requires_grad_(False)
+    with offload.initialize(model, config(stage, device, 1, str(tmp_path), param_device=param_device)) as engine:
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+        for change, said in ((lambda: model.embed.requires_grad_(False), "embed.weight frozen"),
+                             (lambda: model.norm.bias.requires_grad_(True), "norm.bias unfrozen")):
+            change()
+            with pytest.raises(UsageError, match=f"requires_grad changed after offload.initialize: {said}; the "
+                                                 "engine trains the parameters that were trainable when it was made"):
+                engine.backward(engine(batch(1, 0, 0)))
+            model.embed.requires_grad_(True)
+            model.norm.bias.requires_grad_(False)
+        engine.backward(engine(batch(1, 0, 0)))  # as it was: training goes on
+        engine.step()

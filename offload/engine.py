@@ -384,6 +384,7 @@ class Engine:
         stats = comm.all_reduce(torch.tensor([squares, 0.0 if finite else 1.0], dtype=torch.float64,
                                              device=self._comm_device)).tolist()
         if self.scaler.enabled and stats[1]:
+            self.last_grad_norm = math.inf  # as the Trainer's AMP logs an overflowed step's (DeepSpeed keeps the last)
             return None
         self.last_grad_norm = math.sqrt(stats[0]) * multiplier
         if clip > 0:
@@ -391,6 +392,11 @@ class Engine:
             if coefficient < 1.0:
                 multiplier *= coefficient
         return multiplier
+
+    @property
+    def loss_scale(self) -> float:
+        """fp16's loss scale for the next step (1.0 without fp16)."""
+        return self.scaler.scale
 
     @property
     def applied_steps(self) -> int:
@@ -421,7 +427,8 @@ class Engine:
 
     def get_global_grad_norm(self) -> float | None:
         """The last step's gradient norm before clipping, as DeepSpeed's engine
-        gives it; computed only for clipping or fp16 (None without either)."""
+        gives it (inf for a step skipped for an fp16 overflow); computed only
+        for clipping or fp16 (None without either)."""
         return self.last_grad_norm
 
     def synchronize(self) -> None:

@@ -6,6 +6,7 @@ dicts and config checks."""
 import copy
 import gc
 import json
+import math
 import os
 
 import psutil
@@ -401,8 +402,14 @@ def test_deepspeeds_engine_methods(tmp_path):
     reference = make_model()
     reference(batch(0, 0, 0)).backward()
     expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in reference.parameters()])).item()
-    with train_engine(make_model(), 1, 1, {**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}) as engine:
+    fp16 = {**cfg, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+    with train_engine(make_model(), 1, 1, fp16) as engine:
         assert engine.get_global_grad_norm() == pytest.approx(expected, rel=1e-2)  # fp16 needs it, clipping or not
+        assert (engine.loss_scale, engine.skipped_steps, engine.applied_steps) == (2.0**8, 0, 1)
+        engine.backward(engine(batch(1, 0, 0)) * math.inf)
+        engine.step()
+        assert engine.get_global_grad_norm() == math.inf  # skipped: not the last applied step's norm
+        assert (engine.loss_scale, engine.skipped_steps, engine.applied_steps) == (2.0**7, 1, 1)
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])

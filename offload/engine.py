@@ -252,6 +252,8 @@ class Engine:
         first element is the loss."""
         loss = _loss_of(loss)
         self._refuse_changed_freezing()
+        if self._window_ended:  # a backward more before step(): its gradient joins the window's, as in DeepSpeed
+            self.update.reopen(self.times)
         last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
         self._next_ends = None
         if last:

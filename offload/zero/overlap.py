@@ -189,6 +189,12 @@ class OverlappedStep:
     def end_backward(self) -> None:
         self._active = False
 
+    def reopen(self, times: PhaseTimes) -> None:
+        """Another backward joins a window whose last backward has run (no step
+        between): the sub-groups speculated on took its gradient as complete,
+        so they are undone, and speculated again as that backward completes them."""
+        self.wait(times)
+
     # -- at the boundary ---------------------------------------------------------------
 
     def gradient_stats(self) -> tuple[float, bool]:

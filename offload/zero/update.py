@@ -50,6 +50,10 @@ class _AfterBackward:
     def end_backward(self) -> None:
         pass
 
+    def reopen(self, times: PhaseTimes) -> None:
+        """Another backward joins a window whose last backward has run (no
+        step between): nothing here took its gradient as complete."""
+
     def gradient_stats(self) -> tuple[float, bool]:
         """(sum of squares, all finite) of the window's owned gradient."""
         return self.gradient.stats()

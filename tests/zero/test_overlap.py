@@ -65,6 +65,33 @@ def test_bitwise_the_plain_step(tmp_path, stage, device, accumulation, clip):
     over.close()
 
 
+@pytest.mark.parametrize("stage,device,overlap_step", [(2, "cpu", False), (2, "cpu", True), (2, "nvme", True),
+                                                       (3, "nvme", True)])
+@pytest.mark.parametrize("clip", [0.5, 1e6])  # binds (the speculated steps roll back) or not (they are kept)
+def test_a_second_backward_before_step_adds_to_the_window(tmp_path, stage, device, overlap_step, clip):
+    """Two losses, each given to backward, then one step (at accumulation 1):
+    the step applies the sum of their gradients, as DeepSpeed's and as
+    backward twice with torch's AdamW. The overlapped step had speculated on
+    the first backward's gradient alone (and on nvme its worker was still in
+    the store when the second began)."""
+    cfg = _config(tmp_path, stage, device, 1, clip, overlap_step)
+    ref = make_model()
+    p = cfg["optimizer"]["params"]
+    adamw = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=p["betas"], eps=p["eps"],
+                              weight_decay=p["weight_decay"], foreach=False)
+    with offload.initialize(make_model(), cfg) as engine:
+        for step in range(STEPS):
+            for micro in range(2):
+                engine.backward(engine(batch(step, micro, 0)))
+                ref(batch(step, micro, 0)).backward()
+            engine.step()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+            adamw.step()
+            adamw.zero_grad()
+        assert engine.applied_steps == STEPS
+        assert max_difference(engine.state_dict(), ref) < 1e-5
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])  # the old state copied, or kept in its swap file
 def test_an_overflow_or_a_late_learning_rate_rolls_back(tmp_path, device):
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}

@@ -10,6 +10,7 @@ import sysconfig
 
 import pytest
 
+import offload
 from offload import _native
 from offload.cli import bench_adam, bench_step, main
 from offload.errors import ConfigError, SwapIOError
@@ -171,6 +172,13 @@ def test_bench_step_refuses_an_unknown_setup():
     proc = subprocess.run([sys.executable, "-m", "offload", "bench", "step", "--setups", "cpu,gpu"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--setups: unknown ['gpu']" in proc.stderr
+
+
+def test_bench_step_refuses_a_setup_its_stage_rules_out_before_building_any(monkeypatch, capsys):
+    monkeypatch.setattr(offload, "initialize", lambda *a, **k: pytest.fail("an engine was built"))
+    assert main(["bench", "step", "--model", "tiny", "--stage", "3", "--setups", "cpu,cpu+dpu"]) == 2
+    assert "--setups cpu+dpu: zero_optimization.offload_optimizer.delayed_update is for stages 1 and 2" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("error,status,one_line", [

@@ -51,6 +51,7 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -59,7 +60,8 @@ from offload import _native
 from offload.cli import bench_swap
 from offload.cli.args import model_name, positive_int
 from offload.cli.progress import Progress
-from offload.errors import UsageError
+from offload.config import Config
+from offload.errors import ConfigError, UsageError
 from offload.models.gpt import GPT, SIZES
 from offload.store import AioSettings
 from offload.store.aio import checksum_seconds
@@ -103,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--setups: unknown {unknown or '(none given)'}; choose among {', '.join(SETUPS)}")
     if args.offload_param != "none" and args.stage != 3:
         raise UsageError("--offload-param needs --stage 3 (only stage 3 partitions the weights)")
+    for setup in setups:  # a setup these arguments rule out fails now, not after the others have been built
+        try:
+            with warnings.catch_warnings():  # said when the setup's engine is built
+                warnings.simplefilter("ignore")
+                Config.load(_config(args, setup, args.nvme_path or tempfile.gettempdir()))
+        except ConfigError as exc:
+            raise UsageError(f"--setups {setup}: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="offload-bench-step-", dir=args.nvme_path) as nvme:
         result = {"model": args.model, "params": SIZES[args.model].params(), "stage": args.stage,
                   "offload_param": args.offload_param, "setups": measure(args, setups, nvme)}

@@ -204,7 +204,7 @@ def report(r: dict) -> str:
          f"{r['offload_codes_vs_offload']:.2f}x offload fp32"),
     ]
     lines = [
-        f"offload bench adam: {r['params']:,} parameters, {r['threads']} threads, kernel {r['isa']}, "
+        f"offload bench adam: {r['params']:,} parameters, {r['threads']} thread{'s' * (r['threads'] != 1)}, kernel {r['isa']}, "
         f"median of {r['rounds']} rounds",
         "",
         f"{'':38}{'Mparams/s':>10}{'GB/s':>8}   comparison",

@@ -16,18 +16,16 @@ master weights by zero/consolidate.py; checkpoints go through the narrow
 interface ``checkpoint.save_load.Checkpointable``; reports are report.py's.
 
 Note [buffers in low precision]
-With bf16 or fp16, the buffers that are part of the model's state
-(persistent: BatchNorm's running statistics, BART's final_logits_bias) run
-in the compute dtype, as the parameters do: the forward mixes them with
-activations, which a wider buffer would widen (or, on the CPU, refuse).
-Non-persistent ones keep the dtype the model gave them. They are tables
-derived from the config, above all a rotary embedding's frequencies
-(``inv_freq``), which transformers builds in fp32 even under
-``from_pretrained(dtype=torch.bfloat16)``: rounded to bf16, a frequency
-moves by up to 0.37%, and the angle at position 4096 by up to 5 radians
-(7 at Llama 3's theta). DeepSpeed casts every buffer, and so trains on other
-position encodings than the exported model then uses. A model that wants a
-non-persistent buffer in the compute dtype casts it before ``initialize``.
+With bf16 or fp16, the model's floating buffers run in the compute dtype, as
+the parameters do, since the forward mixes them with activations (BatchNorm's
+running statistics, XGLM's sinusoidal positions; the CPU refuses a wider
+one), except a rotary embedding's frequency table (``inv_freq`` and
+``original_inv_freq``, ``KEPT_BUFFERS``): transformers builds it in fp32
+even under ``from_pretrained(dtype=torch.bfloat16)``, and computes the
+angles from it in fp32. Rounded to bf16, a frequency moves by up to 0.37%,
+and the angle at position 4096 by up to 5 radians (7 at Llama 3's theta).
+DeepSpeed casts it too, and so trains on other position encodings than the
+exported model then uses.
 """
 
 from __future__ import annotations
@@ -74,6 +72,7 @@ from offload.zero.update import DelayedUpdate, ImmediateUpdate
 from offload.zero.weights import ReplicatedWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
+KEPT_BUFFERS = {"inv_freq", "original_inv_freq"}  # Note [buffers in low precision]
 
 
 class Engine:
@@ -214,17 +213,16 @@ class Engine:
 
     def _to_compute_dtype(self, model: torch.nn.Module, partitioned: Callable[[torch.Tensor], bool]) -> None:
         """The parameters not ``partitioned`` and the buffers move to the
-        accelerator, the floating ones in the compute dtype, but for derived
-        tables (Note [buffers in low precision])."""
+        accelerator, the floating ones in the compute dtype, but for rotary
+        frequency tables (Note [buffers in low precision])."""
         for module in model.modules():
             for name, p in module._parameters.items():
                 if p is not None and not partitioned(p):
                     p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
             for name, b in module._buffers.items():
                 if b is not None:
-                    derived = name in module._non_persistent_buffers_set
-                    module._buffers[name] = b.to(self.device, self.dtype if b.is_floating_point() and not derived
-                                                 else b.dtype)
+                    module._buffers[name] = b.to(self.device, self.dtype if b.is_floating_point() and
+                                                 name not in KEPT_BUFFERS else b.dtype)
 
     # -- training ------------------------------------------------------------------
 

@@ -152,3 +152,19 @@ def test_bf16_runs_a_rotary_model_as_hugging_face_loads_it_in_bf16(tmp_path, sta
                                  **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}}
     with offload.initialize(model, cfg) as engine, torch.no_grad():
         assert torch.equal(engine(input_ids=x).logits, loaded(input_ids=x).logits)
+
+
+def test_bf16_runs_sinusoidal_positions_in_bf16():
+    """Note [buffers in low precision]: XGLM's positions, a non-persistent
+    buffer added to bf16 activations, run in bf16 (kept fp32, they widen the
+    hidden states, which the bf16 layers then refuse)."""
+    model = transformers.XGLMForCausalLM(transformers.XGLMConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, max_position_embeddings=64))
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with offload.initialize(model, cfg) as engine:
+        assert model.model.embed_positions.weights.dtype == torch.bfloat16
+        x = _tokens(torch.Generator().manual_seed(1))
+        engine.backward(engine(input_ids=x, labels=x))
+        engine.step()

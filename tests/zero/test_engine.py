@@ -233,19 +233,20 @@ def test_backward_takes_a_model_output_and_forward_passes_keywords(kind):
 def test_close_gives_the_model_back_in_its_dtype_with_the_trained_weights(tmp_path, stage, device, param_device):
     model = make_model()
     model.register_buffer("counter", torch.arange(3))  # integer buffers keep their dtype throughout
-    model.register_buffer("shift", torch.full((2,), 0.1))  # state: runs in the compute dtype
-    frequencies = 1 / 1e4 ** torch.linspace(0, 1, 5)  # a derived table: keeps its dtype (Note [buffers in low precision])
-    model.register_buffer("frequencies", frequencies.clone(), persistent=False)
+    model.register_buffer("shift", torch.full((2,), 0.1), persistent=False)  # runs in the compute dtype
+    frequencies = 1 / 1e4 ** torch.linspace(0, 1, 5)  # a rotary table: keeps its dtype (Note [buffers in low precision])
+    model.norm.register_buffer("inv_freq", frequencies.clone(), persistent=False)
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     engine = train_engine(model, 2, 1, config(stage, device, 1, str(tmp_path), param_device=param_device,
                                               bf16={"enabled": True}))
     assert next(model.parameters()).dtype == torch.bfloat16
     assert (model.shift.dtype, model.counter.dtype) == (torch.bfloat16, torch.int64)
-    assert torch.equal(model.frequencies, frequencies)
+    assert torch.equal(model.norm.inv_freq, frequencies)
     trained = engine.state_dict()
     engine.close()
     state = model.state_dict()
-    assert {k: v.dtype for k, v in state.items()} == dtypes and torch.equal(model.frequencies, frequencies)
+    assert {k: v.dtype for k, v in state.items()} == dtypes and torch.equal(model.norm.inv_freq, frequencies)
+    assert model.shift.dtype == torch.float32
     assert all(torch.equal(state[k], trained[k]) for k in trained)
     assert model.head.weight is model.embed.weight  # still tied
     model(batch(0, 0, 0)).backward()  # an ordinary module again

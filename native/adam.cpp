@@ -129,6 +129,14 @@ int make_consts(double lr, double beta1, double beta2, double eps, double weight
   return 0;
 }
 
+// make_consts's message, which names the hyper-parameter, said of run k.
+int fail_in_run(int64_t k) {
+  const std::string why = last_error();
+  const std::string prefix = "adam: ";
+  return fail("adam: run %lld: %s", static_cast<long long>(k),
+              why.c_str() + (why.rfind(prefix, 0) == 0 ? prefix.size() : 0));
+}
+
 // Note [hyper-parameters by run]: each run's constants, in `consts`.
 int make_run_consts(const int64_t* bounds, const double* hypers, int64_t count, int64_t n, double lr, int decoupled,
                     int bias_correction, int64_t step, double grad_scale, std::vector<AdamConsts>* consts) {
@@ -149,10 +157,7 @@ int make_run_consts(const int64_t* bounds, const double* hypers, int64_t count, 
     consts->emplace_back();
     if (make_consts(lr * h[kRunLrScale], h[kRunBeta1], h[kRunBeta2], h[kRunEps], h[kRunWeightDecay], decoupled,
                     bias_correction, step, grad_scale, &consts->back()) != 0)
-    {
-      const std::string why = last_error();  // make_consts's, which names the hyper-parameter
-      return fail("adam: run %lld: %s", static_cast<long long>(k), why.c_str() + (why.rfind("adam: ", 0) == 0 ? 6 : 0));
-    }
+      return fail_in_run(k);
   }
   return 0;
 }

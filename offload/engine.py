@@ -31,6 +31,7 @@ exported model then uses.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -417,8 +418,11 @@ class Engine:
         self.optimizer.lr = value
 
     def group_of(self, name: str) -> GroupHyper:
-        """The weight decay and rate of trained parameter ``name`` (Note [parameter groups])."""
-        return self.grouping.hyper.get(name, GroupHyper(self.config.optimizer.params.weight_decay))
+        """What trained parameter ``name`` steps with, its group's or the config's:
+        weight decay, rate, betas and eps (Note [parameter groups])."""
+        p = self.config.optimizer.params
+        group = self.grouping.hyper.get(name, GroupHyper(p.weight_decay))
+        return dataclasses.replace(group, betas=group.betas or tuple(p.betas), eps=p.eps if group.eps is None else group.eps)
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's form of ``lr``: the rate of each parameter group, in the

@@ -22,7 +22,7 @@ WarmupDecayLR instead give every group the one scheduled rate. So a group's
 reference are warned about: a torch optimizer's groups all carry its ``lr``,
 torch's default 1e-3 included, which would otherwise rescale every
 parameter unseen. Every other setting (``amsgrad``, ``maximize``, AdamW's
-decoupling) is the config's for all groups: a group that sets one to another
+decoupling, ``bias_correction``) is the config's for all groups: a group that sets one to another
 value is refused by name rather than ignored, and a key offload does not
 know is warned about (torch's own implementation flags and labels are passed
 over). A trainable parameter in no group is refused too: torch would leave it
@@ -73,7 +73,8 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, sche
     is one). A group key that sets another setting to a value not the
     config's is an error; one offload does not know, a warning."""
     names = {id(p): n for n, p in model.named_parameters()}
-    shared = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": params.adam_w_mode}
+    shared = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": params.adam_w_mode,
+              "bias_correction": params.bias_correction}  # DeepSpeed's CPU Adam reads the last per group
     seen: dict[int, int] = {}  # id(parameter) -> its group
     hyper: dict[str, GroupHyper] = {}
     config = GroupHyper(params.weight_decay)

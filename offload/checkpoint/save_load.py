@@ -140,8 +140,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         if exclude_frozen_parameters else [],
         weight_decay={name: group.weight_decay for name, group in groups.items()},
         lr_scale={name: group.lr_scale for name, group in groups.items()},
-        betas={name: list(group.betas) for name, group in groups.items() if group.betas is not None},
-        eps={name: group.eps for name, group in groups.items() if group.eps is not None},
+        betas={name: list(group.betas) for name, group in groups.items()},
+        eps={name: group.eps for name, group in groups.items()},
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
     return final
@@ -262,30 +262,29 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, d
     return directory, manifest.client_state
 
 
+_SAID = {"weight_decay": "weight decay", "lr_scale": "rate relative to the config's", "betas": "betas", "eps": "eps"}
+
+
 def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
-    """The loading engine's group hyper-parameters apply from here (README,
+    """The loading engine's hyper-parameters apply from here (README,
     checkpoints), where torch's and DeepSpeed's optimizers take the saved
-    groups' back: said."""
+    groups' back: said, for each one the manifest records (older manifests
+    lack the later fields)."""
+    saved = {"weight_decay": manifest.weight_decay, "lr_scale": manifest.lr_scale,
+             "betas": {name: tuple(betas) for name, betas in manifest.betas.items()}, "eps": manifest.eps}
     differ: dict[str, list[tuple[str, Any, Any]]] = {field: [] for field in _SAID}
     for name, now in _groups_by_name(engine).items():
-        if name not in manifest.weight_decay:  # a manifest older than groups
-            continue
-        betas = manifest.betas.get(name)
-        saved = GroupHyper(manifest.weight_decay[name], manifest.lr_scale.get(name, 1.0),
-                           None if betas is None else tuple(betas), manifest.eps.get(name))
         for field in _SAID:
-            if getattr(saved, field) != getattr(now, field):
-                differ[field].append((name, getattr(saved, field), getattr(now, field)))
+            if name in saved[field] and saved[field][name] != getattr(now, field):
+                differ[field].append((name, saved[field][name], getattr(now, field)))
     for field, found in differ.items():
         if found:
-            name, saved, now = (v if v is not None else "the config's" for v in found[0])
+            name, before, now = found[0]
             warnings.warn(f"load_checkpoint: {len(found)} parameters ({in_brief([n for n, _, _ in found])}) were "
-                          f"trained with another {_SAID[field]} than this engine applies ({name}: {saved} saved, "
+                          f"trained with another {_SAID[field]} than this engine applies ({name}: {before} saved, "
                           f"{now} now); the engine's own, from its config and param_groups, applies from here: give "
-                          "it the saving run's param_groups to continue that run unchanged", UserWarning, stacklevel=3)
-
-
-_SAID = {"weight_decay": "weight decay", "lr_scale": "rate relative to the config's", "betas": "betas", "eps": "eps"}
+                          "it the saving run's config and param_groups to continue that run unchanged", UserWarning,
+                          stacklevel=3)
 
 
 def _groups_by_name(engine: Checkpointable) -> dict[str, GroupHyper]:

@@ -139,8 +139,9 @@ class DeviceOptimizer(ShardOptimizer):
                 self._decayed.setdefault(group, []).append((lo, hi))
         cls = torch.optim.AdamW if p.adam_w_mode else torch.optim.Adam
         self._torch_opt = cls([{"params": [self._span(lo, hi) for lo, hi in spans], "lr_scale": group.lr_scale,
-                                "betas": group.betas or tuple(p.betas), "eps": p.eps if group.eps is None else group.eps}
-                               for group, spans in by_group.items()], lr=p.lr, weight_decay=0.0)
+                                "betas": (h.beta1, h.beta2), "eps": h.eps}
+                               for group, spans in by_group.items() for h in (group.of(self.hyper),)],
+                              lr=p.lr, weight_decay=0.0)
         self._set_state(0)
 
     def _span(self, lo: int, hi: int) -> torch.Tensor:

@@ -107,6 +107,8 @@ def test_bad_groups_are_refused_by_name():
     _refused(lambda m: [{"params": list(m.parameters()), "amsgrad": True}],
              r"param_groups\[0\] sets amsgrad True where the config's optimizer has False: offload takes it from "
              "the config, the same for all groups; drop it from the group")
+    _refused(lambda m: [{"params": list(m.parameters()), "bias_correction": False}],
+             r"param_groups\[0\] sets bias_correction False where the config's optimizer has True")
     _refused(lambda m: [{"params": list(m.parameters()), "lr": -1e-3}],
              r"param_groups\[0\]\['lr'\] is -0.001; give a finite number >= 0")
     _refused(lambda m: [{"params": list(m.parameters()), "betas": [0.9, 1.0]}],
@@ -185,9 +187,16 @@ def test_a_checkpoint_records_the_groups_and_a_load_says_when_they_differ(tmp_pa
     assert "load_checkpoint: 7 parameters (gain, embed.weight, blocks.0.0.bias, " in rate, said
     assert "another rate relative to the config's than this engine applies (gain: 2.0 saved, 1.0 now)" in rate
     assert "load_checkpoint: 6 parameters (gain, blocks.0.0.bias, " in betas, said
-    assert "another betas than this engine applies (gain: (0.8, 0.95) saved, the config's now)" in betas
+    assert "another betas than this engine applies (gain: (0.8, 0.95) saved, (0.9, 0.99) now)" in betas
     assert "load_checkpoint: 1 parameters (embed.weight) were trained with another eps than this engine applies " \
-           "(embed.weight: 0.0001 saved, the config's now)" in eps
+           "(embed.weight: 0.0001 saved, 1e-08 now)" in eps
+    other = {**cfg, "optimizer": {**cfg["optimizer"], "params": {**cfg["optimizer"]["params"], "betas": [0.5, 0.6]}}}
+    model = make_model()
+    with offload.initialize(model, other, param_groups=three_groups(model)) as engine:
+        with pytest.warns(UserWarning, match=r"load_checkpoint: 4 parameters \(embed.weight, blocks.0.0.weight, .* "
+                                             r"another betas than this engine applies \(embed.weight: \(0.9, 0.99\) "
+                                             r"saved, \(0.5, 0.6\) now\)"):  # the config's: all but the third group's
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
 
 
 # A warm-up to 4.5e-3, where the config's optimizer.params.lr is 3e-3: a group's lr is its rate at the peak.

@@ -107,6 +107,7 @@ class Engine:
                     f"{config.train_micro_batch_size_per_gpu} x gradient_accumulation_steps {self.accumulation} "
                     f"x world size {self.world} = {expected}; fix one of them")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._frozen = {p for p in model.parameters() if not p.requires_grad}  # what it was made with
         if not named:
             raise UsageError("the model has no trainable parameters; offload trains at least one")
         self.device = comm.accelerator(named[0][1])
@@ -272,12 +273,13 @@ class Engine:
         partitioned their gradients and optimizer state then. One frozen since
         would still be stepped (with a zero gradient, as DeepSpeed steps it),
         one unfrozen would never be, both silently: refused, by name."""
-        changed = [f"{name} {'unfrozen' if p.requires_grad else 'frozen'}" for name, p in self.module.named_parameters()
-                   if p.requires_grad != (p in self.reducer.slot_of)]
+        changed = [f"{name} {'frozen' if p in self.reducer.slot_of else 'unfrozen' if p in self._frozen else 'new'}"
+                   for name, p in self.module.named_parameters() if p.requires_grad != (p in self.reducer.slot_of)]
         if changed:
-            raise UsageError(f"requires_grad changed after offload.initialize: {in_brief(changed)}; the engine trains "
-                             "the parameters that were trainable when it was made, so set requires_grad before "
-                             "offload.initialize")
+            new = " (new: added to the model since)" if any(c.endswith(" new") for c in changed) else ""
+            raise UsageError(f"requires_grad changed after offload.initialize: {in_brief(changed)}{new}; the engine "
+                             "trains the parameters that were trainable when it was made, so set requires_grad, and "
+                             "change the model, before offload.initialize")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """As in DeepSpeed: whether the next backward ends its accumulation

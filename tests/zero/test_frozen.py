@@ -339,3 +339,8 @@ def test_freezing_or_unfreezing_after_initialize_is_refused_by_name(tmp_path, st
             model.norm.bias.requires_grad_(False)
         engine.backward(engine(batch(1, 0, 0)))  # as it was: training goes on
         engine.step()
+        model.extra = torch.nn.Linear(2, 2)  # a module added since: its parameters would never train
+        with pytest.raises(UsageError, match=r"requires_grad changed after offload.initialize: extra.weight new, "
+                                             r"extra.bias new \(new: added to the model since\)"):
+            engine.backward(engine(batch(2, 0, 0)))
+        del model.extra

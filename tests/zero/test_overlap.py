@@ -221,3 +221,20 @@ def test_world_size_2(tmp_path):
         for name, (bitwise, difference, kept, rollbacks) in results.items():
             assert bitwise and difference < 1e-5, (rank, name, difference)
             assert (rollbacks == STEPS) if name.endswith("0.5") else (kept > 0 and rollbacks == 0), (rank, name)
+
+
+def test_a_second_backward_before_step_adds_to_the_window_under_the_delayed_update(tmp_path):
+    """The delayed update's step of the last window runs during this one's
+    backwards: two backwards then a step (accumulation 1) are, bitwise, a
+    window of two undivided backwards (accumulation 2)."""
+    def train(accumulation):
+        cfg = config(2, "cpu", accumulation, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
+        with offload.initialize(make_model(), cfg) as engine:
+            for step in range(STEPS):
+                for micro in range(2):
+                    engine.backward(engine(batch(step, micro, 0)), scale_wrt_gas=False)
+                engine.step()
+            return engine.state_dict()
+
+    twice, window = train(1), train(2)
+    assert all(torch.equal(twice[k], window[k]) for k in window)

@@ -422,9 +422,9 @@ class Engine:
     def group_of(self, name: str) -> GroupHyper:
         """What trained parameter ``name`` steps with, its group's or the config's:
         weight decay, rate, betas and eps (Note [parameter groups])."""
-        p = self.config.optimizer.params
-        group = self.grouping.hyper.get(name, GroupHyper(p.weight_decay))
-        return dataclasses.replace(group, betas=group.betas or tuple(p.betas), eps=p.eps if group.eps is None else group.eps)
+        group = self.grouping.hyper.get(name, GroupHyper(self.config.optimizer.params.weight_decay))
+        steps_with = group.of(self.optimizer.hyper)
+        return dataclasses.replace(group, betas=(steps_with.beta1, steps_with.beta2), eps=steps_with.eps)
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's form of ``lr``: the rate of each parameter group, in the

@@ -22,10 +22,10 @@ WarmupDecayLR instead give every group the one scheduled rate. So a group's
 reference are warned about: a torch optimizer's groups all carry its ``lr``,
 torch's default 1e-3 included, which would otherwise rescale every
 parameter unseen. Every other setting (``amsgrad``, ``maximize``, AdamW's
-decoupling, ``bias_correction``) is the config's for all groups: a group that sets one to another
-value is refused by name rather than ignored, and a key offload does not
-know is warned about (torch's own implementation flags and labels are passed
-over). A trainable parameter in no group is refused too: torch would leave it
+decoupling, ``bias_correction``) is the config's for all groups: a group
+that sets one to another value is refused by name rather than ignored, and a
+key offload does not know is warned about (torch's own implementation flags
+and labels are passed over). A trainable parameter in no group is refused too: torch would leave it
 untrained, which is rarely what was meant (freeze it instead). Groups reach
 the CPU Adam as runs of the owned shard (``owned_runs``; Note
 [hyper-parameters by run] in native/adam_args.h), so grouping costs no layout

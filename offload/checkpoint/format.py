@@ -88,10 +88,9 @@ class Manifest:
     # Frozen parameters left out (save_checkpoint's exclude_frozen_parameters);
     # absent from manifests written before it existed.
     frozen_left_out: list[str] = dataclasses.field(default_factory=list)
-    # Each trained parameter's weight decay and rate as a multiple of the
-    # config's (Note [parameter groups]), by name, and the betas and eps of
-    # those whose group set its own; absent from manifests written before
-    # they existed.
+    # Each trained parameter's weight decay, rate as a multiple of the
+    # config's, betas and eps (Note [parameter groups]), by name; absent from
+    # manifests written before they existed.
     weight_decay: dict[str, float] = dataclasses.field(default_factory=dict)
     lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
     betas: dict[str, list[float]] = dataclasses.field(default_factory=dict)

@@ -319,3 +319,20 @@ def test_only_the_first_sigint_raises():
         assert not ignored.finish() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_bench_step_sizes_the_nvme_pipeline_by_buffer_count(tmp_path, capsys, monkeypatch):
+    counts, initialize = {}, bench_step.offload.initialize
+
+    def tracked(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        counts[engine.config.zero_optimization.offload_optimizer.overlap_step] = (
+            engine.config.zero_optimization.offload_optimizer.buffer_count)
+        return engine
+
+    monkeypatch.setattr(bench_step.offload, "initialize", tracked)
+    argv = ["bench", "step", "--model", "tiny", "--setups", "nvme,nvme+overlap", "--steps", "1",
+            "--nvme-path", str(tmp_path), "--sub-group-size", "20000", "--buffer-count", "3", "--json"]
+    assert main(argv) == 0
+    json.loads(capsys.readouterr().out)
+    assert counts == {False: 3, True: 3}

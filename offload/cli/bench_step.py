@@ -74,7 +74,6 @@ SETUPS = {  # name -> (optimizer tier, offload_optimizer extras)
     "nvme": ("nvme", {}),
     "nvme+overlap": ("nvme", {"overlap_step": True}),
 }
-BUFFERS = 8
 PLAIN = {"cpu+overlap": "cpu", "cpu+dpu": "cpu", "nvme+overlap": "nvme"}
 
 
@@ -92,6 +91,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
                    help="measured steps, each after an unmeasured one of its setup, after 2 warm-up turns (default 5)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--sub-group-size", type=positive_int, default=2_000_000, help="elements per optimizer sub-group")
+    p.add_argument("--buffer-count", type=positive_int, default=8,
+                   help="nvme setups: offload_optimizer.buffer_count, the sub-groups the pipeline (and overlap_step) "
+                        "may hold in host memory at once (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -145,7 +147,7 @@ def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
     a = _aio()
     offload_optimizer = {"device": device, **extras}
     if device == "nvme":
-        offload_optimizer.update(nvme_path=nvme, buffer_count=BUFFERS)
+        offload_optimizer.update(nvme_path=nvme, buffer_count=args.buffer_count)
     zero = {"stage": args.stage, "sub_group_size": args.sub_group_size, "offload_optimizer": offload_optimizer}
     if args.stage == 3:
         zero["offload_param"] = {"device": args.offload_param}

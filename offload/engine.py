@@ -138,7 +138,8 @@ class Engine:
                                              pin and offloaded, tier, self.transfer)
         # Stage 3 reduces each parameter's gradient as soon as it is complete, as stage 2 does a bucket.
         self.reducer = GradientReducer(self.layout, min(zero.stage, 2), self.device, self.dtype, self.gradient,
-                                       lambda lo, hi: self.update.reduced(lo, hi))
+                                       lambda lo, hi: self.update.reduced(lo, hi),
+                                       ordered=zero.stage == 2 and self.world > 1)
         if zero.stage == 3:
             # Frozen parameters are paged like the rest, with no gradient or optimizer state.
             frozen = FlatLayout.of_model([(n, p) for n, p in model.named_parameters()

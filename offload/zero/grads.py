@@ -16,6 +16,26 @@ bucket, adding the gradient into it and, on one rank, copying it out again
 were three passes over memory and two fresh allocations per parameter, all
 inside backward. The gradient is this reducer's alone: autograd gives
 ``.grad`` away only when nothing else holds it, and ``.grad`` is dropped here.
+
+Note [reduction order]
+A reduce-scatter pairs with whatever the other ranks issue as their same
+collective, so every rank must reduce the same buckets in the same order.
+When each rank reduced a bucket as soon as its own gradients were complete, a
+parameter that got a gradient on one rank and none on another (an MoE expert
+that only one rank's tokens reached, a head only some batches use) made the
+sequences differ: same-sized buckets summed into each other silently,
+different sizes aborted gloo, different counts timed out. So at stage 2 with
+several ranks the buckets are reduced in one order, from the last down (the
+order backward completes them, running from the last layers): a bucket
+complete out of that order waits for those before it, and at the end of
+backward every bucket not yet reduced is, in order, those this rank got no
+gradient for as zeros. A rank missing a gradient thus delays its later
+buckets to the end of backward, which the other ranks wait for; as in
+DeepSpeed, the parameter is then stepped with the zero-filled mean. Stage 3
+also gathers weights during backward on the same ranks, so a rank waiting
+there would pair its reduction with another rank's gather: it keeps the
+reduce-on-completion order, and needs every rank to compute the same
+parameters' gradients (README, "Stage 3 parameter manager").
 """
 
 from __future__ import annotations
@@ -34,10 +54,13 @@ from offload.zero.owned_grad import OwnedGradient
 
 class GradientReducer:
     def __init__(self, layout: FlatLayout, stage: int, device: torch.device, dtype: torch.dtype,
-                 gradient: OwnedGradient, on_reduced: Callable[[int, int], None]) -> None:
-        """``on_reduced(lo, hi)``: owned range [lo, hi) got its part (Note [overlapped step])."""
+                 gradient: OwnedGradient, on_reduced: Callable[[int, int], None], ordered: bool) -> None:
+        """``on_reduced(lo, hi)``: owned range [lo, hi) got its part (Note [overlapped step]).
+        ``ordered``: reduce the buckets in one order every rank shares (Note [reduction order])."""
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
-        self.gradient, self.on_reduced = gradient, on_reduced
+        self.gradient, self.on_reduced, self.ordered = gradient, on_reduced, ordered
+        self._next = len(layout.buckets) - 1  # ordered: the bucket to reduce next
+        self._complete: dict[int, torch.Tensor] = {}  # ordered: complete buckets waiting for those before them
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -60,7 +83,7 @@ class GradientReducer:
         if self.stage == 2 and bucket.is_one_parameter and grad.dtype == self.dtype:
             # Note [a bucket of one]
             self._count_bucket(grad.numel() * grad.element_size())
-            self._reduce(bucket, grad)
+            self._completed(bucket, grad)
             return
         full = self._bucket_buffer(bucket)
         begin = slot.offset - bucket.start
@@ -68,7 +91,16 @@ class GradientReducer:
         if self.stage == 2:
             self._arrived[bucket.index] += 1
             if self._arrived[bucket.index] == len(bucket.slots):
-                self._reduce(bucket, self._open.pop(bucket.index))
+                self._completed(bucket, self._open.pop(bucket.index))
+
+    def _completed(self, bucket: Bucket, full: torch.Tensor) -> None:
+        if not self.ordered:
+            self._reduce(bucket, full)
+            return
+        self._complete[bucket.index] = full
+        while self._next in self._complete:
+            self._reduce(self.layout.buckets[self._next], self._complete.pop(self._next))
+            self._next -= 1
 
     def _bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
         if self._flat is not None:
@@ -96,7 +128,15 @@ class GradientReducer:
             self.bucket_bytes -= full.numel() * full.element_size()
 
     def end_of_backward(self) -> None:
-        """Stage 2: reduce the buckets some of whose parameters got no gradient this pass."""
+        """Stage 2: reduce the buckets some of whose parameters got no gradient
+        this pass; ordered, every bucket not yet reduced (Note [reduction order])."""
+        if self.ordered:
+            for index in range(self._next, -1, -1):
+                bucket = self.layout.buckets[index]
+                full = self._complete.pop(index, None)
+                self._reduce(bucket, full if full is not None else self._bucket_buffer(bucket))
+                self._open.pop(index, None)
+            self._next = len(self.layout.buckets) - 1
         for index in sorted(self._open):
             self._reduce(self.layout.buckets[index], self._open.pop(index))
         self._arrived.clear()

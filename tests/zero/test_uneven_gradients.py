@@ -1,0 +1,109 @@
+"""Stages 1 and 2 on two ranks when a parameter gets a gradient on one rank and none
+on the other (Note [reduction order]): an MoE whose tokens reach only some
+experts on each rank. The reference is DeepSpeed's and DDP's meaning: the mean
+of the ranks' gradients with a missing one as zeros, so an expert no rank
+reached is still stepped (README: a zero gradient)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from tests.zero.harness import RANK_WAIT_S, each_tier, spawn_ranks
+
+DIM, EXPERTS, STEPS, ACCUMULATION = 8, 4, 3, 2
+TOL = 1e-5  # fp32 engine against fp32 AdamW: summation order only
+
+
+class Experts(nn.Module):
+    """One module per expert, called only for the tokens routed to it; the
+    experts differ in size, so reductions paired across ranks by mistake
+    would also disagree in length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM + 2 * e) for e in range(EXPERTS))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, routes: list[int]) -> torch.Tensor:
+        h = self.inp(x)
+        y = sum(self.experts[e](h)[:, :DIM].square().mean() for e in routes)
+        return y + self.out(h).mean()
+
+
+def routes(step: int, micro: int, rank: int) -> list[int]:
+    """Rank 0 reaches experts 0 and 2 on even steps, rank 1 only 1; expert 3
+    is reached by no rank, ever."""
+    return [0, 2] if rank == 0 and step % 2 == 0 else [rank]
+
+
+def data(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+
+
+def config(stage: int, tier: str, nvme: str, bucket: int) -> dict:
+    optimizer = {"device": tier, **({"nvme_path": nvme} if tier == "nvme" else {})}
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
+            "gradient_clipping": 0.05, "comm_timeout_s": RANK_WAIT_S,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                      "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "sub_group_size": 100,
+                                  "offload_optimizer": optimizer}}
+
+
+def reference(model: nn.Module) -> dict:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, foreach=False)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(2):
+            for micro in range(ACCUMULATION):
+                (ref(data(step, micro, rank), routes(step, micro, rank)) / (2 * ACCUMULATION)).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+    return ref.state_dict()
+
+
+def _rank(rank: int, port: int, out_dir: str, stage: int, bucket: int) -> None:
+    def check(tier: str, nvme: str) -> float:
+        torch.manual_seed(0)
+        model = Experts()
+        expected = reference(model)
+        engine = offload.initialize(model, config(stage, tier, nvme, bucket))
+        for step in range(STEPS):
+            for micro in range(ACCUMULATION):
+                engine.backward(engine(data(step, micro, rank), routes(step, micro, rank)))
+                engine.step()
+        got = engine.state_dict()
+        engine.close()
+        return max((got[k] - v).abs().max().item() for k, v in expected.items())
+
+    each_tier(rank, port, out_dir, ("none", "cpu", "nvme"), check)
+
+
+def _stage2_one_expert_per_bucket(rank: int, port: int, out_dir: str) -> None:
+    _rank(rank, port, out_dir, 2, DIM * DIM)
+
+
+def _stage2_experts_sharing_buckets(rank: int, port: int, out_dir: str) -> None:
+    _rank(rank, port, out_dir, 2, 3 * DIM * DIM)
+
+
+def _stage1(rank: int, port: int, out_dir: str) -> None:
+    _rank(rank, port, out_dir, 1, DIM * DIM)
+
+
+@pytest.mark.parametrize("worker", [_stage2_one_expert_per_bucket, _stage2_experts_sharing_buckets, _stage1])
+def test_two_ranks_whose_parameters_get_gradients_on_different_ranks_match_adamw(tmp_path, worker):
+    results = spawn_ranks(worker, tmp_path)
+    for rank, by_tier in enumerate(results):
+        for tier, difference in by_tier.items():
+            assert difference < TOL, f"rank {rank}, {tier}: max |engine - AdamW| = {difference:.2e}"

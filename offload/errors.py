@@ -69,7 +69,7 @@ class LossScaleError(OffloadError, RuntimeError):
 
 
 class CommError(OffloadError, RuntimeError):
-    """A collective failed: another rank died, or stalled longer than comm_timeout_s."""
+    """A collective failed: another rank died, stalled longer than comm_timeout_s, or issued another collective."""
 
     exit_status = 1
 

@@ -49,8 +49,9 @@ def _run(name: str, collective, *args, **kwargs) -> None:
         collective(*args, group=_group if _made_in is dist.group.WORLD else None, **kwargs)
     except RuntimeError as exc:  # gloo and NCCL raise DistBackendError, a RuntimeError
         detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise CommError(f"rank {dist.get_rank()}: {name} failed ({detail}): another rank died, or stalled longer "
-                        f"than comm_timeout_s={_timeout_s}") from exc
+        raise CommError(f"rank {dist.get_rank()}: {name} failed ({detail}): another rank died, stalled longer "
+                        f"than comm_timeout_s={_timeout_s}, or issued another collective (at stage 3, ranks that "
+                        f"run different modules or compute gradients for different parameters)") from exc
 
 
 def world() -> tuple[int, int]:

@@ -105,7 +105,7 @@ def main() -> int:
         print(json.dumps(one(args.one, args.model, args.device, args.steps, args.batch, args.nvme_path, args.clip)))
         return 0
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}))
-    results = {}
+    results, failed = {}, []
     for setup in args.setups.split(","):
         nvme = setup == "nvme-infty"
         steps, timeout = (args.nvme_steps, args.nvme_timeout) if nvme else (args.steps, args.timeout)
@@ -115,10 +115,12 @@ def main() -> int:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             print(f"{setup}: no result within {timeout} s", flush=True)
+            failed.append(setup)
             continue
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             print(f"{setup}: failed with exit status {proc.returncode}: {last}", flush=True)
+            failed.append(setup)
             continue
         results[setup] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{setup}: {results[setup]['step_s']:.2f} s per step", flush=True)
@@ -133,8 +135,10 @@ def main() -> int:
         rollbacks = "-" if r["rollbacks"] is None else f"{r['rollbacks']} of {r['steps']}"
         print(f"{setup:13}{r['step_s']:8.2f}{rate:10.0f}{tflops:8.1f}{share:>9}{idle:>10}{r['peak_gpu_gib']:9.1f}"
               f"{rollbacks:>11}")
-    print(json.dumps(results))
-    return 0
+    if failed:
+        print(f"no result from {', '.join(failed)}")
+    print(json.dumps(results))  # last: what a reader of the output parses
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -30,3 +30,12 @@ def test_every_setup_of_the_gpu_benchmark_trains_on_the_cpu(tmp_path):
         assert r["steps"] == 2, setup  # a warm-up step, then the measured one
     assert results["cpu-overlap"]["rollbacks"] == 0  # no clipping: the speculated steps all stand
     assert not any(os.scandir(tmp_path)), "the swap files outlived the benchmark"
+
+
+def test_a_setup_without_a_result_fails_the_benchmark(tmp_path):
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--model", "tiny", "--steps", "1", "--batch", "1",
+                           "--nvme-path", str(tmp_path), "--setups", "none,nvme-infty", "--nvme-timeout", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout
+    assert "nvme-infty: no result within 1 s" in proc.stdout and "no result from nvme-infty" in proc.stdout
+    assert tuple(json.loads(proc.stdout.strip().splitlines()[-1])) == ("none",)

@@ -265,6 +265,8 @@ class Engine:
         self.reducer.end_of_backward()
         self.update.end_backward()
         self.weights.end_backward()
+        if self.config.zero_optimization.stage == 3:
+            comm.check_same_collectives("backward")  # Note [same collectives]
         self.micro_steps += 1
         self.pending_micro_steps += 1
         self._window_ended = last

@@ -13,17 +13,29 @@ failure is a ``CommError`` naming this rank and the collective, so the
 survivor unwinds (closing its engine, removing its swap files) instead of
 hanging or printing a backend's stack; checkpoints complete before stay
 loadable (Note [checkpoint atomicity]).
+
+Note [same collectives]
+Collectives pair up by their place in each rank's sequence, not by what they
+carry: at stage 3, ranks that gather different parameters of one size (an
+MoE whose tokens reach different per-expert modules on each rank) exchange
+parts of different parameters, and train on the mixture without any error.
+So each collective is noted with what it carries, and at stage 3 the ranks
+compare digests of their notes once per backward, before anything steps on
+them: on a difference, every rank gets an error naming the first collective
+where the ranks' sequences part. Sequences that part in size fail earlier,
+in the collective itself (a CommError).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 
 import torch
 import torch.distributed as dist
 
-from offload.errors import CommError
+from offload.errors import CommError, UsageError
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only the old ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -33,6 +45,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _group = None  # the engine's group (Note [dying ranks]); None: the default group
 _made_in = None  # the default group it was made in: a new init_process_group makes it stale
 _timeout_s: float | None = None
+# Note [same collectives]: since the last comparison, a digest of every (collective, what it carries), and the
+# first NAMED of them, to name where ranks part (an evaluation loop may run many collectives between comparisons).
+NAMED = 10_000
+_digest = hashlib.sha1()
+_noted: list[tuple[str, str]] = []
 
 
 def use_timeout(seconds: float) -> None:
@@ -44,7 +61,10 @@ def use_timeout(seconds: float) -> None:
         _made_in, _timeout_s = dist.group.WORLD, seconds
 
 
-def _run(name: str, collective, *args, **kwargs) -> None:
+def _run(name: str, collective, *args, what: str = "", **kwargs) -> None:
+    _digest.update(f"{name}\0{what}\n".encode())
+    if len(_noted) < NAMED:
+        _noted.append((name, what))
     try:
         collective(*args, group=_group if _made_in is dist.group.WORLD else None, **kwargs)
     except RuntimeError as exc:  # gloo and NCCL raise DistBackendError, a RuntimeError
@@ -77,20 +97,20 @@ def accelerator(first_param: torch.Tensor) -> torch.device:
     return first_param.device
 
 
-def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor) -> None:
+def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, what: str = "") -> None:
     """out (numel = full.numel() / world) <- this rank's slice of the sum over ranks of full."""
     if world()[1] == 1:
         out.copy_(full)
     else:
-        _run("reduce_scatter", _reduce_scatter, out, full, op=dist.ReduceOp.SUM)
+        _run("reduce_scatter", _reduce_scatter, out, full, op=dist.ReduceOp.SUM, what=what)
 
 
-def all_gather(full: torch.Tensor, part: torch.Tensor) -> None:
+def all_gather(full: torch.Tensor, part: torch.Tensor, what: str = "") -> None:
     """full <- the concatenation over ranks of part."""
     if world()[1] == 1:
         full.copy_(part)
     else:
-        _run("all_gather", _all_gather, full, part)
+        _run("all_gather", _all_gather, full, part, what=what)
 
 
 def broadcast(t: torch.Tensor, src: int) -> None:
@@ -112,3 +132,28 @@ def all_gather_object(obj) -> list:
     out = [None] * world()[1]
     _run("all_gather_object", dist.all_gather_object, out, obj)
     return out
+
+
+def check_same_collectives(where: str) -> None:
+    """Note [same collectives]: every rank calls it at the same point; raises
+    on every rank if their collectives since the last call differ."""
+    global _digest, _noted
+    digest, mine = _digest.hexdigest(), _noted
+    _digest, _noted = hashlib.sha1(), []  # the comparison's own collectives are alike on every rank
+    if world()[1] == 1:
+        return
+    digests = all_gather_object(digest)
+    if len(set(digests)) > 1:
+        sequences = all_gather_object(mine)
+        first = next((i for i in range(max(map(len, sequences)))
+                      if len({seq[i] if i < len(seq) else None for seq in sequences}) > 1), None)
+        if first is None:
+            said = f"after the first {NAMED:,}, which agree"
+        else:
+            said = f"collective {first + 1}: " + "; ".join(
+                f"rank {r}: {' of '.join(filter(None, seq[first])) if first < len(seq) else 'none'}"
+                for r, seq in enumerate(sequences))
+        raise UsageError(f"{where}: the ranks' collectives since the last check differ ({said}): at stage 3 every rank "
+                         f"must run the same modules in the same order and compute gradients for the same parameters "
+                         f"(an MoE routing tokens to per-expert modules breaks it: use stage 2, or experts fused in "
+                         f"one module)")

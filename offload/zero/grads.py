@@ -35,7 +35,7 @@ DeepSpeed, the parameter is then stepped with the zero-filled mean. Stage 3
 also gathers weights during backward on the same ranks, so a rank waiting
 there would pair its reduction with another rank's gather: it keeps the
 reduce-on-completion order, and needs every rank to compute the same
-parameters' gradients (README, "Stage 3 parameter manager").
+parameters' gradients (Note [same collectives] tells the ranks where not).
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ class GradientReducer:
             part = full  # nobody writes ``full`` again: no copy of it
         else:
             part = torch.empty(bucket.part, dtype=self.dtype, device=self.device)
-            comm.reduce_scatter_sum(part, full)
+            comm.reduce_scatter_sum(part, full, what=f"the gradient of {bucket.slots[0].name}"
+                                    + (f" and {len(bucket.slots) - 1} more" if len(bucket.slots) > 1 else ""))
         self.gradient.add(bucket.owned_offset, bucket.owned_offset + bucket.part, part)
         self.on_reduced(bucket.owned_offset, bucket.owned_offset + bucket.part)
         self.seconds += time.perf_counter() - start

@@ -468,7 +468,7 @@ class PartitionedWeights:
                 p.data.view(-1).copy_(local[:numel])
         else:
             full = torch.empty(m.bucket.size, dtype=self.dtype, device=self.device)
-            comm.all_gather(full, local)
+            comm.all_gather(full, local, what=m.slot.name)
             p.data.view(-1).copy_(full[:numel])
         if landing is not None:
             landing.release()  # the host buffer goes back to the store only once the copy has read it

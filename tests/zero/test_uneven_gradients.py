@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import offload
+from offload.errors import UsageError
 from tests.zero.harness import RANK_WAIT_S, each_tier, spawn_ranks
 
 DIM, EXPERTS, STEPS, ACCUMULATION = 8, 4, 3, 2
@@ -24,10 +25,10 @@ class Experts(nn.Module):
     experts differ in size, so reductions paired across ranks by mistake
     would also disagree in length."""
 
-    def __init__(self) -> None:
+    def __init__(self, alike: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
-        self.experts = nn.ModuleList(nn.Linear(DIM, DIM + 2 * e) for e in range(EXPERTS))
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM + (0 if alike else 2 * e)) for e in range(EXPERTS))
         self.out = nn.Linear(DIM, 1)
 
     def forward(self, x: torch.Tensor, routes: list[int]) -> torch.Tensor:
@@ -107,3 +108,35 @@ def test_two_ranks_whose_parameters_get_gradients_on_different_ranks_match_adamw
     for rank, by_tier in enumerate(results):
         for tier, difference in by_tier.items():
             assert difference < TOL, f"rank {rank}, {tier}: max |engine - AdamW| = {difference:.2e}"
+
+
+def _stage3_experts_alike(rank: int, port: int, out_dir: str) -> None:
+    def check(tier: str, nvme: str) -> str:
+        torch.manual_seed(0)
+        cfg = config(2, "cpu", nvme, DIM * DIM)
+        cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": tier, **({"nvme_path": nvme} if tier == "nvme" else {})}}
+        engine = offload.initialize(Experts(alike=True), cfg)
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        try:
+            engine.backward(engine(data(0, 0, rank), [rank]))
+        except UsageError as e:
+            said = str(e)
+        else:
+            said = "no error"
+        engine.step()  # nothing to step: the backward that failed did not count
+        assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+        engine.close()
+        return said
+
+    each_tier(rank, port, out_dir, ("none", "nvme"), check)
+
+
+def test_stage3_ranks_that_gather_different_parameters_of_one_size_are_told_which(tmp_path):
+    """Note [same collectives]: the experts' gathers pair expert 0's part on
+    rank 0 with expert 1's on rank 1, which no collective notices."""
+    for by_tier in spawn_ranks(_stage3_experts_alike, tmp_path):
+        for tier, said in by_tier.items():
+            assert "backward: the ranks' collectives since the last check differ (collective " in said, (tier, said)
+            assert "rank 0: all_gather of experts.0.weight; rank 1: all_gather of experts.1.weight" in said, (tier, said)
+            assert "use stage 2" in said, (tier, said)

@@ -48,7 +48,10 @@ def data(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def config(stage: int, tier: str, nvme: str, bucket: int) -> dict:
-    optimizer = {"device": tier, **({"nvme_path": nvme} if tier == "nvme" else {})}
+    """``tier``: the optimizer's device, ``+overlap`` for the overlapped step."""
+    device, overlap = tier.removesuffix("+overlap"), tier.endswith("+overlap")
+    optimizer = {"device": device, **({"nvme_path": nvme} if device == "nvme" else {}),
+                 **({"overlap_step": True} if overlap else {})}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
             "gradient_clipping": 0.05, "comm_timeout_s": RANK_WAIT_S,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
@@ -87,7 +90,7 @@ def _rank(rank: int, port: int, out_dir: str, stage: int, bucket: int) -> None:
         engine.close()
         return max((got[k] - v).abs().max().item() for k, v in expected.items())
 
-    each_tier(rank, port, out_dir, ("none", "cpu", "nvme"), check)
+    each_tier(rank, port, out_dir, ("none", "cpu", "nvme") + (("nvme+overlap",) if stage == 2 else ()), check)
 
 
 def _stage2_one_expert_per_bucket(rank: int, port: int, out_dir: str) -> None:

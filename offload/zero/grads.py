@@ -31,7 +31,12 @@ complete out of that order waits for those before it, and at the end of
 backward every bucket not yet reduced is, in order, those this rank got no
 gradient for as zeros. A rank missing a gradient thus delays its later
 buckets to the end of backward, which the other ranks wait for; as in
-DeepSpeed, the parameter is then stepped with the zero-filled mean. Stage 3
+DeepSpeed, the parameter is then stepped with the zero-filled mean. Where
+a model registers parameters in another order than backward completes them
+(a Llama layer registers its norms after its projections), a complete bucket
+also waits, up to a layer's worth: a 4-layer Llama of width 128 on two ranks
+peaked at 0.79 MB of buckets instead of 0.26 (27 buckets; 0.99 against 0.75
+with 10); a GPT, whose order matches, at the same peak. Stage 3
 also gathers weights during backward on the same ranks, so a rank waiting
 there would pair its reduction with another rank's gather: it keeps the
 reduce-on-completion order, and needs every rank to compute the same

@@ -36,7 +36,8 @@ a model registers parameters in another order than backward completes them
 (a Llama layer registers its norms after its projections), a complete bucket
 also waits, up to a layer's worth: a 4-layer Llama of width 128 on two ranks
 peaked at 0.79 MB of buckets instead of 0.26 (27 buckets; 0.99 against 0.75
-with 10); a GPT, whose order matches, at the same peak. Stage 3
+with 10); a GPT, whose order matches, at the same peak
+(benchmarks/reduction_order.py). Stage 3
 also gathers weights during backward on the same ranks, so a rank waiting
 there would pair its reduction with another rank's gather: it keeps the
 reduce-on-completion order, and needs every rank to compute the same

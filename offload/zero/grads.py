@@ -144,8 +144,9 @@ class GradientReducer:
                 self._reduce(bucket, full if full is not None else self._bucket_buffer(bucket))
                 self._open.pop(index, None)
             self._next = len(self.layout.buckets) - 1
-        for index in sorted(self._open):
-            self._reduce(self.layout.buckets[index], self._open.pop(index))
+        else:
+            for index in sorted(self._open):
+                self._reduce(self.layout.buckets[index], self._open.pop(index))
         self._arrived.clear()
         self.gradient.end_of_backward()
 

@@ -57,12 +57,14 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
             zero[section]["nvme_path"] = nvme_path
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": clip, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"sub_group_size": 50_000_000, **zero}}
+    began = time.perf_counter()
     torch.manual_seed(0)
     with offload.init(config):
         net = GPT(c)
     engine = offload.initialize(net, config, init_fn=net.init_module)
     tokens = torch.randint(0, c.vocab_size, (batch, c.block_size + 1), device=engine.device)
     cuda = engine.device.type == "cuda"
+    _progress(f"{setup}: ready after {time.perf_counter() - began:.1f} s")
     rows = []
     for i in range(steps + 1):
         if cuda:
@@ -76,6 +78,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
+        _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forward and backward")
         if i >= 1:
             rows.append({"step": end - start, "forward_backward": compute_end - start})
     rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
@@ -85,6 +88,11 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
             "steps": steps + 1, "rollbacks": rollbacks,
             "forward_backward_s": statistics.median(r["forward_backward"] for r in rows),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+
+
+def _progress(line: str) -> None:
+    """To stderr, which the parent shows when this setup runs out of time."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -113,8 +121,9 @@ def main() -> int:
                 "--steps", str(steps), "--batch", str(args.batch), "--nvme-path", args.nvme_path, "--clip", str(args.clip)]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             print(f"{setup}: no result within {timeout} s", flush=True)
+            print(_text(e.stderr).rstrip()[-2000:], flush=True)
             failed.append(setup)
             continue
         if proc.returncode != 0:
@@ -139,6 +148,11 @@ def main() -> int:
         print(f"no result from {', '.join(failed)}")
     print(json.dumps(results))  # last: what a reader of the output parses
     return 1 if failed else 0
+
+
+def _text(output: bytes | str | None) -> str:
+    """What a timed-out child wrote: bytes there, even with text=True."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
     python benchmarks/gpu_bench.py --model tiny --device cpu ...    # a smoke run of the script itself
 
 A GPT of about 1.5B parameters (48 layers, width 1600, 1024 tokens, byte
-vocabulary) in bf16, micro-batch 8, built under ``offload.init``. Each setup
-runs in a process of its own, under its own timeout, for 1 warm-up and
-``--steps`` measured steps (``--nvme-steps`` and ``--nvme-timeout`` for
+vocabulary) in bf16, micro-batch 8, ``--accumulation`` micro-batches per
+step (4: 32k tokens, where the GPU's forwards and backwards outlast the CPU's
+Adam over 1.5B parameters), built under ``offload.init``. Each setup runs in
+a process of its own, under its own timeout (and all within ``--budget``), for one warm-up step (and the delayed update's
+warm-up, and its first delayed step, which allocates its second gradient
+window) and ``--steps`` measured ones (``--nvme-steps`` and ``--nvme-timeout`` for
 nvme-infty, which moves about 40 GB over the disk a step):
   none         stage 2, everything on the GPU (the baseline, if it fits)
   cpu          stage 2, optimizer state in CPU memory (ZeRO-Offload)
@@ -18,8 +21,8 @@ initialisation are where clipping binds on every step, which makes
 overlap_step roll back and fall back to the plain step; the table counts
 the rollbacks. Printed per setup: tokens/s, model TFLOPS (6 x parameters x
 tokens / s), the fraction of the baseline's throughput, and the GPU idle
-fraction: 1 - the baseline's time for the same forward and backward / this
-setup's step time.
+fraction: 1 - the baseline's time for the same forwards and backwards / this
+setup's step time; then the engine's phases of the median step (seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 
+MIN_SECONDS = 20  # fewer cannot even start a setup's process and build its engine at 1.5B
 SETUPS = {
     "none": {"stage": 2, "offload_optimizer": {"device": "none"}},
     "cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -44,7 +48,8 @@ SETUPS = {
 MODELS = {"1.5B": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024), "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64)}
 
 
-def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: str, clip: float) -> dict:
+def one(setup: str, model: str, device: str, steps: int, batch: int, accumulation: int, nvme_path: str,
+        clip: float) -> dict:
     import torch
 
     import offload
@@ -55,7 +60,8 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
     for section in ("offload_optimizer", "offload_param"):
         if section in zero and "nvme_path" in zero[section]:
             zero[section]["nvme_path"] = nvme_path
-    config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": clip, "bf16": {"enabled": True},
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": clip, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"sub_group_size": 50_000_000, **zero}}
     began = time.perf_counter()
     torch.manual_seed(0)
@@ -65,29 +71,40 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, nvme_path: 
     tokens = torch.randint(0, c.vocab_size, (batch, c.block_size + 1), device=engine.device)
     cuda = engine.device.type == "cuda"
     _progress(f"{setup}: ready after {time.perf_counter() - began:.1f} s")
+    # The delayed update's first delayed step allocates its second gradient window.
+    warmup = 1 + zero["offload_optimizer"].get("delayed_update_warmup", 0)
     rows = []
-    for i in range(steps + 1):
+    for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.backward(engine(tokens))
+        for micro in range(accumulation):
+            engine.backward(engine(tokens))
+            if micro < accumulation - 1:
+                engine.step()  # a no-op inside the window, as a training loop calls it
         if cuda:
-            torch.cuda.synchronize()  # the forward and backward as the GPU ran them
+            torch.cuda.synchronize()  # the forwards and backwards as the GPU ran them
         compute_end = time.perf_counter()
         engine.step()
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
-        _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forward and backward")
-        if i >= 1:
-            rows.append({"step": end - start, "forward_backward": compute_end - start})
+        _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forwards and backwards")
+        if i >= warmup:
+            rows.append({"step": end - start, "forward_backward": compute_end - start, "phases": _phases(engine.times)})
     rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
     engine.close(restore_model=False)
-    step = statistics.median(r["step"] for r in rows)
-    return {"setup": setup, "params": c.params(), "tokens_per_step": batch * c.block_size, "step_s": step,
-            "steps": steps + 1, "rollbacks": rollbacks,
-            "forward_backward_s": statistics.median(r["forward_backward"] for r in rows),
+    median = sorted(rows, key=lambda r: r["step"])[len(rows) // 2]
+    return {"setup": setup, "params": c.params(), "tokens_per_step": accumulation * batch * c.block_size,
+            "step_s": median["step"], "steps": warmup + steps, "rollbacks": rollbacks,
+            "forward_backward_s": statistics.median(r["forward_backward"] for r in rows), "phases": median["phases"],
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+
+
+def _phases(times) -> dict[str, float]:
+    """The engine's split of a step (offload.report.PhaseTimes, the optimizer's own split flattened in), rounded."""
+    flat = {k: v for k, v in vars(times).items() if k != "optimizer_detail"} | times.optimizer_detail
+    return {k: round(v, 4) for k, v in flat.items() if v}
 
 
 def _progress(line: str) -> None:
@@ -99,26 +116,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="1.5B")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps (the median is reported)")
     parser.add_argument("--nvme-steps", type=int, default=1, help="measured steps of nvme-infty")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch")
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--timeout", type=int, default=45, help="seconds per setup")
-    parser.add_argument("--nvme-timeout", type=int, default=110, help="seconds for nvme-infty")
+    parser.add_argument("--timeout", type=int, default=75, help="seconds per setup")
+    parser.add_argument("--nvme-timeout", type=int, default=150, help="seconds for nvme-infty")
+    parser.add_argument("--budget", type=int, default=385, help="seconds for all setups together")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one setup, print its JSON
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.model, args.device, args.steps, args.batch, args.nvme_path, args.clip)))
+        print(json.dumps(one(args.one, args.model, args.device, args.steps, args.batch, args.accumulation,
+                             args.nvme_path, args.clip)))
         return 0
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}))
     results, failed = {}, []
+    deadline = time.monotonic() + args.budget
     for setup in args.setups.split(","):
         nvme = setup == "nvme-infty"
         steps, timeout = (args.nvme_steps, args.nvme_timeout) if nvme else (args.steps, args.timeout)
+        left = int(deadline - time.monotonic())
+        if left < MIN_SECONDS:
+            print(f"{setup}: not run, {MIN_SECONDS} s or more were needed and the budget has {max(left, 0)} s left",
+                  flush=True)
+            failed.append(setup)
+            continue
+        timeout = min(timeout, left)
         argv = [sys.executable, __file__, "--one", setup, "--model", args.model, "--device", args.device,
-                "--steps", str(steps), "--batch", str(args.batch), "--nvme-path", args.nvme_path, "--clip", str(args.clip)]
+                "--steps", str(steps), "--batch", str(args.batch), "--accumulation", str(args.accumulation),
+                "--nvme-path", args.nvme_path, "--clip", str(args.clip)]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired as e:
@@ -132,7 +161,8 @@ def main() -> int:
             failed.append(setup)
             continue
         results[setup] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{setup}: {results[setup]['step_s']:.2f} s per step", flush=True)
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in results[setup]["phases"].items())
+        print(f"{setup}: {results[setup]['step_s']:.2f} s per step ({phases})", flush=True)
     base = results.get("none")
     print(f"\n{'setup':13}{'s/step':>8}{'tokens/s':>10}{'TFLOPS':>8}{'of none':>9}{'GPU idle':>10}{'GPU GiB':>9}"
           f"{'rollbacks':>11}")

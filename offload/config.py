@@ -115,8 +115,9 @@ class FP16Config:
 class OffloadOptimizerConfig:
     device: str = _f("none", "where optimizer state lives: none (accelerator), cpu, nvme", choices=("none", "cpu", "nvme"))
     nvme_path: str | None = _f(None, "directory for swap files (device nvme)")
-    pin_memory: bool = _f(True, "pin host buffers when CUDA is available")
-    buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pinned pool cap)", ge=2)
+    pin_memory: bool = _f(True, "pin the host buffers gradients and weights cross the bus in, when CUDA is "
+                          "available (the optimizer state never crosses and is never pinned)")
+    buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pool cap)", ge=2)
     pipeline_read: bool = _f(True, "nvme: read sub-group i+1 while i is updated")
     pipeline_write: bool = _f(True, "nvme: write sub-group i-1 back while i is updated")
     gradients_on_nvme: bool = _f(False, "nvme: keep the fp32 owned gradient in swap files too, not in host memory")

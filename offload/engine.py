@@ -132,7 +132,7 @@ class Engine:
         grad_dtype = gradient_dtype(self.dtype, zero.stage, self.accumulation)
         if offload.gradients_on_nvme:
             self.gradient = OnDiskGradient(self.optimizer.groups, grad_dtype, offload.nvme_path, config.aio,
-                                           offload.buffer_count, None if offload.pin_memory else False, self.transfer)
+                                           offload.buffer_count, self.transfer)
         else:
             self.gradient = InMemoryGradient(self.optimizer.groups, self.layout.owned, grad_dtype, where["device"],
                                              pin and offloaded, tier, self.transfer)

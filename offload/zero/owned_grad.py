@@ -220,11 +220,11 @@ class OnDiskGradient:
     again is summed again: its last sum covers everything added to it)."""
 
     def __init__(self, groups: SubGroups, dtype: torch.dtype, nvme_path: str, aio: AioSettings, buffer_count: int,
-                 pin: bool | None, transfer: Transfer) -> None:
+                 transfer: Transfer) -> None:
         self.groups, self.dtype, self.transfer = groups, dtype, transfer
         element = torch.empty((), dtype=dtype).element_size()
         self.store = TieredStore(
-            nvme_path, aio=aio, pin_memory=pin,
+            nvme_path, aio=aio, pin_memory=False,  # parts land in the transfer's staging: Note [unpinned state]
             pinned_limit_bytes=pool_bytes([element * groups.largest], buffer_count),
             pool_setting_name="zero_optimization.offload_optimizer.buffer_count",
         )

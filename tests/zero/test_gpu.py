@@ -89,3 +89,19 @@ def test_a_meta_built_model_lands_on_the_local_ranks_gpu(tmp_path):
         engine.backward(loss)
         engine.step()
         assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_only_what_crosses_the_bus_is_pinned(tmp_path, device):
+    """Note [unpinned state]: gradients come down into pinned memory and weights
+    go up from it; the optimizer state, which never crosses, is not pinned."""
+    with offload.initialize(make_model().cuda(), config(2, device, 1, str(tmp_path))) as engine:
+        engine.backward(engine(batch(0, 0, 0).cuda()))
+        engine.step()
+        store, key = engine.optimizer.store, engine.optimizer._key(0)
+        (state,) = store.get([key])
+        try:
+            assert not state.is_pinned()
+        finally:
+            store.release([key])
+        assert engine.gradient.tensor.is_pinned() and engine.weights.staging.is_pinned()

@@ -83,7 +83,7 @@ def test_a_gradient_on_disk_writes_each_sub_group_once_when_parts_come_low_befor
     is written back once, nothing is read back, and the sums are exact."""
     groups = SubGroups.of(400, 100)
     gradient = OnDiskGradient(groups, torch.float32, str(tmp_path), AioSettings(block_size=4096, queue_depth=4), 2,
-                              False, Transfer(torch.device("cpu"), PinnedPool(1 << 16, "staging", False)))
+                              Transfer(torch.device("cpu"), PinnedPool(1 << 16, "staging", False)))
     before = (gradient.store.traffic.reads, gradient.store.traffic.writes)  # construction wrote zeros
     parts = [(150, 350), (350, 360), (100, 150), (0, 100)]
     expected = torch.zeros(400)

@@ -91,7 +91,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
         end = time.perf_counter()
         _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forwards and backwards")
         if i >= warmup:
-            rows.append({"step": end - start, "forward_backward": compute_end - start, "phases": _phases(engine.times)})
+            rows.append({"step": end - start, "forward_backward": compute_end - start, "phases": _phases(engine)})
     rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
     engine.close(restore_model=False)
     median = sorted(rows, key=lambda r: r["step"])[len(rows) // 2]
@@ -101,9 +101,13 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 
 
-def _phases(times) -> dict[str, float]:
-    """The engine's split of a step (offload.report.PhaseTimes, the optimizer's own split flattened in), rounded."""
+def _phases(engine) -> dict[str, float]:
+    """The engine's split of its last step (offload.report.PhaseTimes, the optimizer's own split flattened in),
+    and the overlapped step's work on its worker during backward and step()'s wait for it, rounded."""
+    times, update = engine.times, engine.update
     flat = {k: v for k, v in vars(times).items() if k != "optimizer_detail"} | times.optimizer_detail
+    if hasattr(update, "worker_seconds"):
+        flat |= {"overlap_worker": update.worker_seconds, "overlap_join": update.join_seconds}
     return {k: round(v, 4) for k, v in flat.items() if v}
 
 

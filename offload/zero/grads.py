@@ -37,7 +37,13 @@ a model registers parameters in another order than backward completes them
 also waits, up to a layer's worth: a 4-layer Llama of width 128 on two ranks
 peaked at 0.79 MB of buckets instead of 0.26 (27 buckets; 0.99 against 0.75
 with 10); a GPT, whose order matches, at the same peak
-(benchmarks/reduction_order.py). Stage 3
+(benchmarks/reduction_order.py). So that order is only the first
+backward's: at its end the ranks take the order rank 0's buckets completed
+in (one all_gather_object; those it got no gradient for last, as before),
+and reduce in that order from then on. From the second step the Llama peaks
+where reducing on completion does, 0.26 and 0.75 MB. A rank whose
+backward completes buckets in another order (other experts reached) waits,
+as in the first. Stage 3
 also gathers weights during backward on the same ranks, so a rank waiting
 there would pair its reduction with another rank's gather: it keeps the
 reduce-on-completion order, and needs every rank to compute the same
@@ -65,8 +71,10 @@ class GradientReducer:
         ``ordered``: reduce the buckets in one order every rank shares (Note [reduction order])."""
         self.layout, self.stage, self.device, self.dtype = layout, stage, device, dtype
         self.gradient, self.on_reduced, self.ordered = gradient, on_reduced, ordered
-        self._next = len(layout.buckets) - 1  # ordered: the bucket to reduce next
+        self._order = list(range(len(layout.buckets) - 1, -1, -1))  # ordered: the shared order, until learned
+        self._at = 0  # ordered: where in the order the next bucket to reduce is
         self._complete: dict[int, torch.Tensor] = {}  # ordered: complete buckets waiting for those before them
+        self._finished: list[int] | None = []  # ordered, first backward: buckets as they completed; then None
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -104,9 +112,12 @@ class GradientReducer:
             self._reduce(bucket, full)
             return
         self._complete[bucket.index] = full
-        while self._next in self._complete:
-            self._reduce(self.layout.buckets[self._next], self._complete.pop(self._next))
-            self._next -= 1
+        if self._finished is not None:
+            self._finished.append(bucket.index)
+        while self._at < len(self._order) and self._order[self._at] in self._complete:
+            index = self._order[self._at]
+            self._reduce(self.layout.buckets[index], self._complete.pop(index))
+            self._at += 1
 
     def _bucket_buffer(self, bucket: Bucket) -> torch.Tensor:
         if self._flat is not None:
@@ -138,17 +149,27 @@ class GradientReducer:
         """Stage 2: reduce the buckets some of whose parameters got no gradient
         this pass; ordered, every bucket not yet reduced (Note [reduction order])."""
         if self.ordered:
-            for index in range(self._next, -1, -1):
+            for index in self._order[self._at:]:
                 bucket = self.layout.buckets[index]
                 full = self._complete.pop(index, None)
                 self._reduce(bucket, full if full is not None else self._bucket_buffer(bucket))
                 self._open.pop(index, None)
-            self._next = len(self.layout.buckets) - 1
+            self._at = 0
+            if self._finished is not None:
+                self._learn_order()
         else:
             for index in sorted(self._open):
                 self._reduce(self.layout.buckets[index], self._open.pop(index))
         self._arrived.clear()
         self.gradient.end_of_backward()
+
+    def _learn_order(self) -> None:
+        """Note [reduction order]: from now on, the order rank 0's buckets completed
+        in its first backward (those it got no gradient for after, as before)."""
+        finished, self._finished = self._finished, None
+        done = set(finished)
+        mine = finished + [index for index in self._order if index not in done]
+        self._order = comm.all_gather_object(mine)[0]
 
     def at_boundary(self) -> None:
         """Stage 1: reduce-scatter every bucket of the accumulation window."""

@@ -171,3 +171,27 @@ def finish_rank(out_dir: str, rank: int, result: Any) -> NoReturn:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
     os._exit(0)
+
+
+TWO_RANK_ADAMW = {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}
+
+
+def two_rank_adamw(model: nn.Module, steps: int, backward: Callable[[nn.Module, int], None],
+                   clip: float | None = None) -> dict:
+    """torch's AdamW (``TWO_RANK_ADAMW``) on a copy of ``model``, each step after
+    ``backward(copy, step)`` has run every rank's micro-batches on it: a parameter
+    no rank reached steps with a zero gradient (DeepSpeed's and DDP's meaning)."""
+    ref = copy.deepcopy(model)
+    p = TWO_RANK_ADAMW
+    opt = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                            weight_decay=p["weight_decay"], foreach=False)
+    for step in range(steps):
+        opt.zero_grad()
+        backward(ref, step)
+        for param in ref.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+    return ref.state_dict()

@@ -6,15 +6,13 @@ reached is still stepped (README: a zero gradient)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import offload
 from offload.errors import UsageError
-from tests.zero.harness import RANK_WAIT_S, each_tier, spawn_ranks
+from tests.zero.harness import RANK_WAIT_S, TWO_RANK_ADAMW, each_tier, spawn_ranks, two_rank_adamw
 
 DIM, EXPERTS, STEPS, ACCUMULATION = 8, 4, 3, 2
 TOL = 1e-5  # fp32 engine against fp32 AdamW: summation order only
@@ -54,26 +52,18 @@ def config(stage: int, tier: str, nvme: str, bucket: int) -> dict:
                  **({"overlap_step": True} if overlap else {})}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
             "gradient_clipping": 0.05, "comm_timeout_s": RANK_WAIT_S,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                      "weight_decay": 0.01}},
+            "optimizer": {"type": "AdamW", "params": TWO_RANK_ADAMW},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "sub_group_size": 100,
                                   "offload_optimizer": optimizer}}
 
 
 def reference(model: nn.Module) -> dict:
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, foreach=False)
-    for step in range(STEPS):
-        opt.zero_grad()
+    def backward(ref: nn.Module, step: int) -> None:
         for rank in range(2):
             for micro in range(ACCUMULATION):
                 (ref(data(step, micro, rank), routes(step, micro, rank)) / (2 * ACCUMULATION)).backward()
-        for p in ref.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        opt.step()
-    return ref.state_dict()
+
+    return two_rank_adamw(model, STEPS, backward, clip=0.05)
 
 
 def _rank(rank: int, port: int, out_dir: str, stage: int, bucket: int) -> None:

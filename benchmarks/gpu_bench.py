@@ -7,10 +7,11 @@ A GPT of about 1.5B parameters (48 layers, width 1600, 1024 tokens, byte
 vocabulary) in bf16, micro-batch 8, ``--accumulation`` micro-batches per
 step (4: 32k tokens, where the GPU's forwards and backwards outlast the CPU's
 Adam over 1.5B parameters), built under ``offload.init``. Each setup runs in
-a process of its own, under its own timeout (and all within ``--budget``), for one warm-up step (and the delayed update's
-warm-up, and its first delayed step, which allocates its second gradient
-window) and ``--steps`` measured ones (``--nvme-steps`` and ``--nvme-timeout`` for
-nvme-infty, which moves about 40 GB over the disk a step):
+a process of its own, under its own timeout (and all within ``--budget``),
+for one warm-up step (and the delayed update's warm-up, and its first
+delayed step, which allocates its second gradient window) and ``--steps``
+measured ones (``--nvme-steps`` and ``--nvme-timeout`` for nvme-infty, which
+moves about 60 GB over the disk a step at 4 micro-batches):
   none         stage 2, everything on the GPU (the baseline, if it fits)
   cpu          stage 2, optimizer state in CPU memory (ZeRO-Offload)
   cpu-overlap  the same with overlap_step: sub-groups step during backward

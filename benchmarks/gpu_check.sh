@@ -56,6 +56,6 @@ part 35 build "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
 # The gpu tests' own file: collecting the whole suite would import every test module (transformers among them).
 # Each test named as it runs, and every thread's stack printed if one hangs, before the part's timeout kills it.
 part 45 "tests marked gpu" env NVIDIA_TF32_OVERRIDE=0 "$PYTHON" -m pytest -m gpu -v -rfE --tb=short \
-    -o faulthandler_timeout=40 -p no:cacheprovider tests/zero/test_gpu.py
+    -o faulthandler_timeout=10 -p no:cacheprovider tests/zero/test_gpu.py
 part 395 "benchmark, 1.5B GPT in bf16" "$PYTHON" benchmarks/gpu_bench.py --nvme-path "$nvme" --budget 385
 exit $status

@@ -174,6 +174,7 @@ class Engine:
         self.micro_steps = 0  # backward passes, in all
         self.pending_micro_steps = 0  # backward passes since the last step
         self._window_ended = False
+        self._backward_raised = False  # the last backward raised before it returned
         self._next_ends: bool | None = None  # set_gradient_accumulation_boundary
         self.global_steps = 0
         self.skipped_steps = 0
@@ -253,6 +254,9 @@ class Engine:
         first element is the loss."""
         loss = _loss_of(loss)
         self._refuse_changed_freezing()
+        if self._backward_raised:  # what it computed joins the window, as in torch's .grad; speculation on it is undone
+            self._end_backward(complete=False)
+            self.update.reopen(self.times)
         if self._window_ended:  # a backward more before step(): its gradient joins the window's, as in DeepSpeed
             self.update.reopen(self.times)
         last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
@@ -261,15 +265,20 @@ class Engine:
             self._keep_changes_in_place()
         if last and not self.update.in_flight:
             self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
+        self._backward_raised = True  # until it returns
         (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
-        self.reducer.end_of_backward()
-        self.update.end_backward()
-        self.weights.end_backward()
+        self._backward_raised = False
+        self._end_backward()
         if self.config.zero_optimization.stage == 3:
             comm.check_same_collectives("backward")  # Note [same collectives]
         self.micro_steps += 1
         self.pending_micro_steps += 1
         self._window_ended = last
+
+    def _end_backward(self, complete: bool = True) -> None:
+        self.reducer.end_of_backward(complete)
+        self.update.end_backward()
+        self.weights.end_backward()
 
     def _refuse_changed_freezing(self) -> None:
         """The engine trains the parameters trainable when it was made: it

@@ -58,6 +58,7 @@ from collections.abc import Callable
 
 import torch
 
+from offload.errors import UsageError
 from offload.report import MemoryReport
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout
@@ -75,6 +76,7 @@ class GradientReducer:
         self._at = 0  # ordered: where in the order the next bucket to reduce is
         self._complete: dict[int, torch.Tensor] = {}  # ordered: complete buckets waiting for those before them
         self._finished: list[int] | None = []  # ordered, first backward: buckets as they completed; then None
+        self._fired: set[int] = set()  # ordered: offsets of the slots whose gradient came in this backward
         self.slot_of = {s.param: s for s in layout.slots}
         self._flat = torch.zeros(layout.total, dtype=dtype, device=device) if stage == 1 else None
         self._open: dict[int, torch.Tensor] = {}  # stage 2: buckets with gradients not yet reduced
@@ -91,6 +93,14 @@ class GradientReducer:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]
+        if self.ordered:
+            if slot.offset in self._fired:
+                raise UsageError(
+                    f"{slot.name} got its gradient twice in one backward (reentrant activation checkpointing around a "
+                    f"weight used more than once, as gradient_checkpointing_enable() does unless told otherwise): "
+                    f"stage 2 on several ranks reduces each gradient once per backward in an order the ranks share; "
+                    f"checkpoint with use_reentrant=False (gradient_checkpointing_kwargs={{'use_reentrant': False}})")
+            self._fired.add(slot.offset)
         bucket = self.layout.buckets[slot.bucket]
         grad = param.grad.view(-1)
         param.grad = None
@@ -145,9 +155,13 @@ class GradientReducer:
         if self._flat is None:
             self.bucket_bytes -= full.numel() * full.element_size()
 
-    def end_of_backward(self) -> None:
+    def end_of_backward(self, complete: bool = True) -> None:
         """Stage 2: reduce the buckets some of whose parameters got no gradient
-        this pass; ordered, every bucket not yet reduced (Note [reduction order])."""
+        this pass; ordered, every bucket not yet reduced (Note [reduction order]).
+        Not ``complete``: the backward raised midway; what it reduced is kept,
+        and the rest is reduced now, as torch keeps in ``.grad`` what a backward
+        that raised had accumulated; the order is learnt from a backward that
+        ran to its end."""
         if self.ordered:
             for index in self._order[self._at:]:
                 bucket = self.layout.buckets[index]
@@ -155,8 +169,12 @@ class GradientReducer:
                 self._reduce(bucket, full if full is not None else self._bucket_buffer(bucket))
                 self._open.pop(index, None)
             self._at = 0
+            self._fired.clear()
             if self._finished is not None:
-                self._learn_order()
+                if complete:
+                    self._learn_order()
+                else:
+                    self._finished = []
         else:
             for index in sorted(self._open):
                 self._reduce(self.layout.buckets[index], self._open.pop(index))

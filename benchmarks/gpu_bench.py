@@ -129,7 +129,7 @@ def main() -> int:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--timeout", type=int, default=75, help="seconds per setup")
     parser.add_argument("--nvme-timeout", type=int, default=150, help="seconds for nvme-infty")
-    parser.add_argument("--budget", type=int, default=385, help="seconds for all setups together")
+    parser.add_argument("--budget", type=int, default=375, help="seconds for all setups together")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one setup, print its JSON
     args = parser.parse_args()

@@ -50,12 +50,13 @@ if not problems:
 sys.exit(1 if problems else 0)
 PY
 df -hT "$nvme" | tail -1  # nvme-infty puts about 20 GB of swap files here; tmpfs would make it a RAM benchmark
-# Worst case 35 + 45 + 395 s, each part's timeout; on an H200 (session 26) the build took 19 s, the tests 23 s,
-# and a stage-2 setup of the benchmark about 55 s (30 s of it pinning host memory), nvme-infty about 80 s.
+# Worst case 35 + 45 + 385 s (each part's timeout) and the pre-flight's few seconds. On an H200 (session 26) the
+# build took 19 s and the tests 23 s; a stage-2 setup needed 32 s to build its engine (its optimizer state was
+# pinned then), nvme-infty about 80 s in all.
 part 35 build "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
 # The gpu tests' own file: collecting the whole suite would import every test module (transformers among them).
 # Each test named as it runs, and every thread's stack printed if one hangs, before the part's timeout kills it.
 part 45 "tests marked gpu" env NVIDIA_TF32_OVERRIDE=0 "$PYTHON" -m pytest -m gpu -v -rfE --tb=short \
     -o faulthandler_timeout=10 -p no:cacheprovider tests/zero/test_gpu.py
-part 395 "benchmark, 1.5B GPT in bf16" "$PYTHON" benchmarks/gpu_bench.py --nvme-path "$nvme" --budget 385
+part 385 "benchmark, 1.5B GPT in bf16" "$PYTHON" benchmarks/gpu_bench.py --nvme-path "$nvme" --budget 375
 exit $status

@@ -96,8 +96,8 @@ class GradientReducer:
         if self.ordered:
             if slot.offset in self._fired:
                 raise UsageError(
-                    f"{slot.name} got its gradient twice in one backward (reentrant activation checkpointing around a "
-                    f"weight used more than once, as gradient_checkpointing_enable() does unless told otherwise): "
+                    f"{slot.name} got its gradient twice in one backward (reentrant activation checkpointing, "
+                    f"use_reentrant=True, around a weight used in more than one checkpointed segment): "
                     f"stage 2 on several ranks reduces each gradient once per backward in an order the ranks share; "
                     f"checkpoint with use_reentrant=False (gradient_checkpointing_kwargs={{'use_reentrant': False}})")
             self._fired.add(slot.offset)

@@ -254,10 +254,11 @@ class Engine:
         first element is the loss."""
         loss = _loss_of(loss)
         self._refuse_changed_freezing()
-        if self._backward_raised:  # what it computed joins the window, as in torch's .grad; speculation on it is undone
+        if self._backward_raised:  # what it computed joins the window, as in torch's .grad
             self._end_backward(complete=False)
-            self.update.reopen(self.times)
-        if self._window_ended:  # a backward more before step(): its gradient joins the window's, as in DeepSpeed
+        # A backward more before step() (its gradient joins the window's, as in DeepSpeed), or after one that
+        # raised: speculation that took the window as complete is undone.
+        if self._window_ended or self._backward_raised:
             self.update.reopen(self.times)
         last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
         self._next_ends = None

@@ -43,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
         manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, DTYPES[args.dtype], args.tag,
                                                        args.max_shard_size)
         size = sum(os.path.getsize(os.path.join(args.hf, f)) for f in files)
-        print(f"wrote {args.hf}: {', '.join(files)}; {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
-              f"(step {manifest.training.global_steps}, {manifest.world_size} rank{'s' * (manifest.world_size != 1)}) in {time.perf_counter() - start:.1f} s")
-        return 0
-    manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
-    size = os.path.getsize(args.out)
-    print(f"wrote {args.out}: {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
-          f"(step {manifest.training.global_steps}, {manifest.world_size} rank{'s' * (manifest.world_size != 1)}) in {time.perf_counter() - start:.1f} s")
+        wrote = f"{args.hf}: {', '.join(files)};"
+    else:
+        manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
+        size = os.path.getsize(args.out)
+        wrote = f"{args.out}:"
+    ranks = f"{manifest.world_size} rank{'s' * (manifest.world_size != 1)}"
+    print(f"wrote {wrote} {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
+          f"(step {manifest.training.global_steps}, {ranks}) in {time.perf_counter() - start:.1f} s")
     return 0

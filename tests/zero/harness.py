@@ -177,8 +177,8 @@ TWO_RANK_ADAMW = {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay":
 
 
 def two_rank_adamw(model: nn.Module, steps: int, backward: Callable[[nn.Module, int], None],
-                   clip: float | None = None) -> dict:
-    """torch's AdamW (``TWO_RANK_ADAMW``) on a copy of ``model``, each step after
+                   clip: float | None = None) -> nn.Module:
+    """torch's AdamW (``TWO_RANK_ADAMW``) trained on a copy of ``model``, each step after
     ``backward(copy, step)`` has run every rank's micro-batches on it: a parameter
     no rank reached steps with a zero gradient (DeepSpeed's and DDP's meaning)."""
     ref = copy.deepcopy(model)
@@ -194,4 +194,4 @@ def two_rank_adamw(model: nn.Module, steps: int, backward: Callable[[nn.Module, 
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
-    return ref.state_dict()
+    return ref

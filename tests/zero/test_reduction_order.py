@@ -8,13 +8,15 @@ computed; a gradient that comes twice in one backward is refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
 import offload
 from offload.errors import UsageError
-from tests.zero.harness import RANK_WAIT_S, TWO_RANK_ADAMW, each_tier, spawn_ranks, two_rank_adamw
+from tests.zero.harness import RANK_WAIT_S, TWO_RANK_ADAMW, each_tier, max_difference, spawn_ranks, two_rank_adamw
 
 DIM, LAYERS, STEPS = 16, 3, 3
 TOL = 1e-5  # fp32 engine against fp32 AdamW: summation order only
@@ -40,12 +42,26 @@ def data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def reference(model: nn.Module) -> dict:
+def reference(model: nn.Module) -> nn.Module:
     def backward(ref: nn.Module, step: int) -> None:
         for rank in range(2):
             (ref(data(step, rank)).square().mean() / 2).backward()
 
     return two_rank_adamw(model, STEPS, backward)
+
+
+def train(engine, expected: nn.Module, backward: Callable[[int], None]) -> dict:
+    """``STEPS`` steps, each ``backward(step)`` then ``engine.step()``: each step's
+    own peak of bucket bytes, and the largest difference from ``expected`` after."""
+    peaks = []
+    for step in range(STEPS):
+        engine.reducer.peak_bucket_bytes = engine.reducer.bucket_bytes
+        backward(step)
+        engine.step()
+        peaks.append(engine.reducer.peak_bucket_bytes)
+    got = engine.state_dict()
+    engine.close()
+    return {"peaks": peaks, "difference": max_difference(got, expected)}
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
@@ -54,15 +70,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         model = nn.Sequential(*(NormAfter() for _ in range(LAYERS)))
         expected = reference(model)
         engine = offload.initialize(model, CONFIG)
-        peaks = []
-        for step in range(STEPS):
-            engine.reducer.peak_bucket_bytes = engine.reducer.bucket_bytes  # this step's own peak
-            engine.backward(engine(data(step, rank)).square().mean())
-            engine.step()
-            peaks.append(engine.reducer.peak_bucket_bytes)
-        got = engine.state_dict()
-        engine.close()
-        return {"peaks": peaks, "difference": max((got[k] - v).abs().max().item() for k, v in expected.items())}
+        return train(engine, expected, lambda step: engine.backward(engine(data(step, rank)).square().mean()))
 
     each_tier(rank, port, out_dir, ("cpu",), check)
 
@@ -129,15 +137,8 @@ def _failing_rank(rank: int, port: int, out_dir: str) -> None:
                                                   "offload_optimizer": {"device": "cpu",
                                                                         "overlap_step": tier == "cpu+overlap"}}}
         engine = offload.initialize(failing_model(), config)
-        peaks = []
-        for step in range(STEPS):
-            engine.reducer.peak_bucket_bytes = engine.reducer.bucket_bytes
-            backward_failing_first(lambda x: engine.backward(engine(x).square().mean()), step, rank)
-            engine.step()
-            peaks.append(engine.reducer.peak_bucket_bytes)
-        got = engine.state_dict()
-        engine.close()
-        return {"peaks": peaks, "difference": max((got[k] - v).abs().max().item() for k, v in expected.items())}
+        return train(engine, expected, lambda step: backward_failing_first(
+            lambda x: engine.backward(engine(x).square().mean()), step, rank))
 
     each_tier(rank, port, out_dir, ("cpu", "cpu+overlap"), check)
 
@@ -183,7 +184,7 @@ def _twice_rank(rank: int, port: int, out_dir: str) -> None:
             return str(e)
         finally:
             engine.close()
-        return max((got[k] - v).abs().max().item() for k, v in expected.items())
+        return max_difference(got, expected)
 
     each_tier(rank, port, out_dir, ("reentrant", "non-reentrant"), check)
 

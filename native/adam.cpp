@@ -12,6 +12,7 @@
 #include "errors.h"
 #include "moment_codec.h"
 #include "parallel.h"
+#include "stream_store.h"
 
 namespace offload_native {
 
@@ -68,13 +69,17 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
   const size_t elements = static_cast<size_t>(n);
   const size_t blocks = (elements + kQuantBlock - 1) / kQuantBlock;
   const bool codes = b.moment_dtype == kBlockCodes8;
+  const AdamBackup& k = b.backup;
+  const bool backup = k.exp_avg != nullptr || k.exp_avg_sq != nullptr || k.param != nullptr;
+  if (backup && (k.exp_avg == nullptr || k.exp_avg_sq == nullptr))
+    return fail("adam: a backup needs exp_avg and exp_avg_sq (param may be left out), got a null pointer");
   const struct {
     const char* name;
     const void* ptr;
     size_t element_size;
     size_t count;
     bool used;
-  } buffers[7] = {
+  } buffers[12] = {
       {"param", b.param, dtype_size(b.param_dtype), elements, true},
       {"exp_avg", b.exp_avg, dtype_size(b.moment_dtype), elements, true},
       {"exp_avg_sq", b.exp_avg_sq, dtype_size(b.moment_dtype), elements, true},
@@ -82,8 +87,13 @@ int check_buffers(const AdamBuffers& b, int64_t n) {
       {"exp_avg_scale", b.exp_avg_scale, 4, blocks, codes},
       {"exp_avg_sq_scale", b.exp_avg_sq_scale, 4, blocks, codes},
       {"out", b.out, 2, elements, b.out != nullptr},
+      {"backup param", k.param, dtype_size(b.param_dtype), elements, k.param != nullptr},
+      {"backup exp_avg", k.exp_avg, dtype_size(b.moment_dtype), elements, backup},
+      {"backup exp_avg_sq", k.exp_avg_sq, dtype_size(b.moment_dtype), elements, backup},
+      {"backup exp_avg_scale", k.exp_avg_scale, 4, blocks, backup && codes},
+      {"backup exp_avg_sq_scale", k.exp_avg_sq_scale, 4, blocks, backup && codes},
   };
-  Span spans[7];
+  Span spans[12];
   int count = 0;
   for (const auto& buffer : buffers) {
     if (!buffer.used) continue;
@@ -217,30 +227,46 @@ void run_blocks(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begi
   }
 }
 
-constexpr int64_t kCrcTile = 8 * kQuantBlock;  // elements: their fp32 state and gradient (256 KiB) stay in a core's L2
+// Elements a tile: their fp32 state and gradient (256 KiB) stay in a core's L2.
+constexpr int64_t kTile = 8 * kQuantBlock;
 
-// Note [checksums in the Adam pass]: a thread's range, a tile at a time, each
-// tile's new state checksummed while it is in cache.
-void run_checksummed(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end,
-                     ChunkCrcs* crcs) {
+// A thread's range a tile at a time: each tile's old state copied to the
+// backup first (Note [the old state kept in the pass]), then stepped, then its
+// new state checksummed while it is in cache (Note [checksums in the Adam
+// pass]); either may be absent.
+void run_tiled(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin, int64_t end, ChunkCrcs* crcs) {
   const bool codes = b.moment_dtype == kBlockCodes8;
-  const auto bytes = [](void* base, size_t size, int64_t i) { return static_cast<char*>(base) + i * size; };
+  const AdamBackup& k = b.backup;
+  const auto bytes = [](const void* base, size_t size, int64_t i) {
+    return static_cast<char*>(const_cast<void*>(base)) + i * size;
+  };
   const size_t moment = dtype_size(b.moment_dtype), master = dtype_size(b.param_dtype);
   ChunkCrcs::Writer param(crcs), exp_avg(crcs), exp_avg_sq(crcs), exp_avg_scale(crcs), exp_avg_sq_scale(crcs);
-  for (int64_t lo = begin; lo < end; lo += kCrcTile) {
-    const int64_t hi = std::min(end, lo + kCrcTile), n = hi - lo;
+  for (int64_t lo = begin; lo < end; lo += kTile) {
+    const int64_t hi = std::min(end, lo + kTile), n = hi - lo;
+    const int64_t first = lo / kQuantBlock, blocks = (hi - 1) / kQuantBlock + 1 - first;  // codes: lo is a block's start
+    if (k.exp_avg != nullptr) {  // read back only on a rollback: streamed past the cache
+      if (k.param != nullptr) stream_copy_bytes(bytes(k.param, master, lo), bytes(b.param, master, lo), n * master);
+      stream_copy_bytes(bytes(k.exp_avg, moment, lo), bytes(b.exp_avg, moment, lo), n * moment);
+      stream_copy_bytes(bytes(k.exp_avg_sq, moment, lo), bytes(b.exp_avg_sq, moment, lo), n * moment);
+      if (codes) {
+        stream_copy_bytes(k.exp_avg_scale + first, b.exp_avg_scale + first, blocks * 4);
+        stream_copy_bytes(k.exp_avg_sq_scale + first, b.exp_avg_sq_scale + first, blocks * 4);
+      }
+    }
     if (codes) run_blocks(isa, b, c, lo, hi);
     else run_range(isa, b, c, lo, hi);
+    if (crcs == nullptr) continue;
     ChecksumTimer timer;
     param.add(bytes(b.param, master, lo), n * master);
     exp_avg.add(bytes(b.exp_avg, moment, lo), n * moment);
     exp_avg_sq.add(bytes(b.exp_avg_sq, moment, lo), n * moment);
     if (codes) {
-      const int64_t first = lo / kQuantBlock, blocks = (hi - 1) / kQuantBlock + 1 - first;
       exp_avg_scale.add(b.exp_avg_scale + first, blocks * 4);
       exp_avg_sq_scale.add(b.exp_avg_sq_scale + first, blocks * 4);
     }
   }
+  if (k.exp_avg != nullptr) _mm_sfence();
 }
 
 }  // namespace
@@ -269,9 +295,12 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
                                   double eps, double weight_decay, int decoupled, int bias_correction, int64_t step,
                                   double grad_scale, int threads, const void* crc_data, int64_t crc_len,
                                   int64_t crc_chunk, uint32_t* crc_out, const int64_t* run_bounds,
-                                  const double* run_hypers, int64_t run_count) {
+                                  const double* run_hypers, int64_t run_count, void* backup_param,
+                                  void* backup_exp_avg, void* backup_exp_avg_sq, float* backup_exp_avg_scale,
+                                  float* backup_exp_avg_sq_scale) {
   AdamBuffers b{param, param_dtype, sr_key, exp_avg, exp_avg_sq, moment_dtype, exp_avg_scale, exp_avg_sq_scale,
                 grad, grad_dtype, out, out_dtype};
+  b.backup = AdamBackup{backup_param, backup_exp_avg, backup_exp_avg_sq, backup_exp_avg_scale, backup_exp_avg_sq_scale};
   AdamConsts c;
   std::vector<AdamConsts> run_consts;
   if (check_buffers(b, n) != 0) return -1;
@@ -290,8 +319,13 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
                   static_cast<long long>(crc_len), static_cast<long long>(crc_chunk));
     ChunkCrcs crcs(static_cast<const uint8_t*>(crc_data), crc_len, crc_chunk, crc_out);
     parallel_ranges(n, threads, kMinPerThread, align,
-                    [&](int64_t begin, int64_t end) { run_checksummed(isa, b, c, begin, end, &crcs); });
+                    [&](int64_t begin, int64_t end) { run_tiled(isa, b, c, begin, end, &crcs); });
     crcs.finish();
+    return 0;
+  }
+  if (b.backup.exp_avg != nullptr) {
+    parallel_ranges(n, threads, kMinPerThread, align,
+                    [&](int64_t begin, int64_t end) { run_tiled(isa, b, c, begin, end, nullptr); });
     return 0;
   }
   if (b.moment_dtype == kBlockCodes8) {

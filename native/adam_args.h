@@ -97,6 +97,22 @@ struct GroupRuns {
   int64_t count = 0;
 };
 
+// Note [the old state kept in the pass]
+// The overlapped step (offload/zero/overlap.py) steps a sub-group before it
+// knows whether the step stands, so it keeps the sub-group's old state to put
+// back. A copy before the call read and wrote the whole state once more, and
+// cost the worker more than the Adam step itself. Instead the call copies
+// each tile's old values into the backup just before stepping that tile, on
+// the threads that step it, while the tile is in their cache: the state is
+// read from memory once, as without a backup.
+struct AdamBackup {
+  void* param = nullptr;  // may stay null alone: the master then lives elsewhere and is stepped in a copy
+  void* exp_avg = nullptr;  // null: no backup
+  void* exp_avg_sq = nullptr;
+  float* exp_avg_scale = nullptr;  // kBlockCodes8
+  float* exp_avg_sq_scale = nullptr;
+};
+
 struct AdamBuffers {
   void* param;
   int param_dtype;   // kFloat32, or kBFloat16 (Note [stochastic rounding])
@@ -112,6 +128,7 @@ struct AdamBuffers {
   int out_dtype;   // kBFloat16 or kFloat16 when out != nullptr
   int64_t index_base = 0;  // element i of these buffers is element index_base + i of the call
   GroupRuns runs;          // in the call's element indices
+  AdamBackup backup;       // Note [the old state kept in the pass]
 };
 
 // Each updates elements [begin, end). The vector kernels require

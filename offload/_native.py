@@ -42,7 +42,8 @@ _SIGNATURES = {
     "offload_adam_step": (
         _int,
         [_ptr, _int, ctypes.c_uint32, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _int, _ptr, _int, _i64,
-         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+         _dbl, _dbl, _dbl, _dbl, _dbl, _int, _int, _i64, _dbl, _int, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64,
+         _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
     "offload_grad_sum_squares": (_int, [_ptr, _int, _i64, _int, ctypes.POINTER(_dbl)]),
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),

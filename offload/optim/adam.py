@@ -67,6 +67,7 @@ def adam_step(
     sr_key: int | None = None,
     checksum: ChunkCrcs | None = None,
     runs: GroupRuns = GroupRuns(),
+    backup: tuple[torch.Tensor | None, torch.Tensor | BlockCodes, torch.Tensor | BlockCodes] | None = None,
 ) -> None:
     """Update ``param``, ``exp_avg`` and ``exp_avg_sq`` in place for Adam step ``step`` (1-based).
 
@@ -82,8 +83,11 @@ def adam_step(
     fallback leaves it unfilled, and the write-back computes them.
     ``runs``: elements whose weight decay, learning rate, betas or eps are
     not ``hyper``'s (a parameter group's; Note [hyper-parameters by run]).
+    ``backup``: (param, exp_avg, exp_avg_sq) like the state, receiving its values
+    before the step (Note [the old state kept in the pass], native/adam_args.h);
+    its param may be None, leaving the master uncopied.
     """
-    _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    _check_tensors(param, grad, exp_avg, exp_avg_sq, out, backup)
     require((sr_key is not None) == (param.dtype == torch.bfloat16) and (sr_key is None or 0 <= sr_key < 2**32),
             f"sr_key must be a 32-bit key exactly when param is bf16 (param {param.dtype}, sr_key {sr_key!r})")
     require(param.dtype == torch.float32 or param.numel() <= 2**32,
@@ -98,6 +102,11 @@ def adam_step(
             f"runs end at element {runs.runs[-1][1] if runs else 0}, past param's {param.numel()}")
     if not _native.status().available:
         warn_fallback_once()
+        if backup is not None:
+            for kept, now in zip(backup, (param, exp_avg, exp_avg_sq)):
+                if kept is not None:
+                    for a, b in zip(_parts(kept), _parts(now)):
+                        a.copy_(b)
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale, out, sr_key, runs)
         return
     hypers = runs.hypers(hyper) if runs else None
@@ -118,13 +127,30 @@ def adam_step(
               if checksum is not None else (None, 0, 0, None)),
             *((runs.bounds.data_ptr(), hypers.data_ptr()) if runs else (None, None)),
             len(runs.runs),
+            *_backup_pointers(backup, codes),
         )
     )
     if checksum is not None:
         checksum.filled = True
 
 
-def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
+def _parts(moment: torch.Tensor | BlockCodes) -> tuple[torch.Tensor, ...]:
+    return (moment.codes, moment.scales) if isinstance(moment, BlockCodes) else (moment,)
+
+
+def _backup_pointers(backup, codes: bool) -> tuple:
+    """The kernel's five backup pointers: param, the moments, their scales."""
+    if backup is None:
+        return None, None, None, None, None
+    param, exp_avg, exp_avg_sq = backup
+    master = param.data_ptr() if param is not None else None
+    if codes:
+        return (master, exp_avg.codes.data_ptr(), exp_avg_sq.codes.data_ptr(), exp_avg.scales.data_ptr(),
+                exp_avg_sq.scales.data_ptr())
+    return master, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None, None
+
+
+def _check_tensors(param, grad, exp_avg, exp_avg_sq, out, backup=None) -> None:
     codes = isinstance(exp_avg, BlockCodes)
     require(codes == isinstance(exp_avg_sq, BlockCodes), "exp_avg and exp_avg_sq must both be BlockCodes or both tensors")
     require(isinstance(param, torch.Tensor), f"param must be a torch.Tensor, got {type(param).__name__}")
@@ -140,6 +166,18 @@ def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
         named.update({"exp_avg": (exp_avg, n, per_element), "exp_avg_sq": (exp_avg_sq, n, per_element)})
     if out is not None:
         named["out"] = (out, n, per_element)
+    if backup is not None:
+        require(isinstance(backup, tuple) and len(backup) == 3 and backup[1] is not None and backup[2] is not None,
+                "backup must be a tuple (param or None, exp_avg, exp_avg_sq)")
+        for name, kept, now in zip(("param", "exp_avg", "exp_avg_sq"), backup, (param, exp_avg, exp_avg_sq)):
+            if kept is None:
+                continue
+            require(isinstance(kept, BlockCodes) == isinstance(now, BlockCodes),
+                    f"backup {name} must be {type(now).__name__} like {name}")
+            for part, (a, b) in zip(("", " scales"), zip(_parts(kept), _parts(now))):
+                require(isinstance(a, torch.Tensor) and a.dtype == b.dtype,
+                        f"backup {name}{part} must be a {b.dtype} tensor like {name}{part}")
+                named[f"backup {name}{part}"] = (a, b.numel(), f"{name}{part} has {b.numel()}")
     for name, (t, numel, why) in named.items():
         require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
         require(t.device.type == "cpu", f"{name} is on {t.device}; the CPU Adam updates CPU tensors only")

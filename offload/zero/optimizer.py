@@ -287,22 +287,30 @@ class StoreOptimizer(ShardOptimizer):
         return f"subgroup{i:05d}"
 
     def _adam(self, i: int, buffer: torch.Tensor, grad: torch.Tensor, grad_scale: float, hyper: AdamHyper, step: int,
-              target: torch.Tensor | None) -> ChunkCrcs | None:
+              target: torch.Tensor | None, backup: torch.Tensor | None = None) -> ChunkCrcs | None:
         """Adam step ``step`` of sub-group i, whose state is ``buffer``; its new
         weights go to ``target`` in the compute dtype (in the same pass, when
         that is a low precision), or nowhere (None: the caller reads the
         master). With the master in the weights, ``target`` holds it and is
         updated in place. A bf16 master is rounded with the key of (step, i)
         (Note [stochastic rounding]). Returns the chunk CRCs of its swap data,
-        computed in the same pass, for the write-back (None on cpu)."""
-        master, exp_avg, exp_avg_sq = self._views(i, buffer, target if self.master_in_weights else None)
+        computed in the same pass, for the write-back (None on cpu). ``backup``:
+        bytes like ``buffer``, given the state as it was, in the same pass (Note
+        [the old state kept in the pass]); a master in the weights is stepped
+        in ``target``, a copy, so it needs none."""
+        in_weights = target if self.master_in_weights else None
+        master, exp_avg, exp_avg_sq = self._views(i, buffer, in_weights)
+        kept = None
+        if backup is not None:
+            kept_master, kept_avg, kept_avg_sq = self._views(i, backup, in_weights)
+            kept = (None if self.master_in_weights else kept_master, kept_avg, kept_avg_sq)
         separate = target is not None and not self.master_in_weights
         low_precision = separate and target.dtype != torch.float32
         sr_key = step_key(step, i) if self.format.master_dtype == torch.bfloat16 else None
         checksum = self.store.checksum_target(self._key(i))
         adam_step(master, grad, exp_avg, exp_avg_sq, hyper, step, grad_scale=grad_scale,
                   out=target if low_precision else None, threads=self.threads, sr_key=sr_key, checksum=checksum,
-                  runs=self.group_runs[i])
+                  runs=self.group_runs[i], backup=kept)
         if separate and not low_precision:
             target.copy_(master)
         return checksum
@@ -413,17 +421,15 @@ class StoreOptimizer(ShardOptimizer):
         given a copy of it and updated in place), or for fp32 compute
         (``weights`` None) the master itself, which a copy would only duplicate. Until
         ``settle`` the old state is kept: on nvme in its swap file, the
-        sub-group staying resident and unwritten; in host memory, copied first
-        into ``backup`` (``backup_nbytes`` bytes; None on nvme). None, with
+        sub-group staying resident and unwritten; in host memory, in ``backup``
+        (``backup_nbytes`` bytes; None on nvme), which the Adam pass fills. None, with
         nothing done, when reads ahead hold every pool buffer: the sub-group
         waits for step()."""
         try:
             (buffer,) = self.store.get([self._key(i)])
         except PoolExhausted:
             return None
-        if backup is not None:
-            backup.copy_(buffer)
-        self._checksums[i] = self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights)
+        self._checksums[i] = self._adam(i, buffer, grad, grad_scale, hyper, self.step_count + 1, weights, backup)
         return self._views(i, buffer)[0] if weights is None else weights
 
     def backup_nbytes(self, n: int) -> int:

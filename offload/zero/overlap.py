@@ -19,8 +19,9 @@ learning rate of the moment backward began. At ``step()`` the norm is known:
 Until then a speculated sub-group's old state is kept where it costs least:
 on nvme in its swap file, the sub-group staying resident in one of
 ``buffer_count`` extra pool buffers and written back only if kept (a rollback
-just drops it); in host memory, as a copy (Note [state format]) taken before
-its Adam step. At most ``buffer_count`` sub-groups are speculated per step,
+just drops it); in host memory, as a copy (Note [state format]) that its
+Adam pass writes tile by tile before stepping each (Note [the old state kept
+in the pass], native/adam_args.h). At most ``buffer_count`` sub-groups are speculated per step,
 each also holding its new weights in a low-precision compute dtype (fp32
 weights are the master itself); the rest wait for ``step()``. When most
 recent steps rolled back (clipping binds, as early in training), speculation

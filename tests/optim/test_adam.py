@@ -111,6 +111,55 @@ def test_every_kernel_is_bitwise_equal_to_fallback(isa, grad_dtype, out_dtype, d
             assert all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
 
 
+@pytest.mark.parametrize("isa", [*_supported_isas(), "fallback"])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16, "int8"], ids=str)
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("keep_master", [True, False], ids=["master-kept", "moments-only"])
+def test_the_backup_is_the_state_before_the_step(isa, moment_dtype, master_dtype, keep_master, monkeypatch,
+                                                 restore_isa):
+    """Note [the old state kept in the pass]: over several tiles and two threads,
+    the backup receives the state as the call found it, bitwise, and the step
+    is bitwise the one without a backup."""
+    if isa == "fallback":
+        monkeypatch.setattr(_native, "status", lambda: _native.NativeStatus(False, "simulated: library missing"))
+        monkeypatch.setattr(adam_module, "_warned", True)
+    else:
+        _native.set_adam_isa(isa)
+    n = 100_003
+    hyper = AdamHyper(lr=1e-2, weight_decay=0.1)
+    state = [torch.randn(n).to(master_dtype), _zero_moment(n, moment_dtype), _zero_moment(n, moment_dtype)]
+    key = step_key(1, 3) if master_dtype == torch.bfloat16 else None
+    adam_step(*state[:1], torch.randn(n), *state[1:], hyper, 1, sr_key=key)  # moments no longer zero
+    before, plain = [_clone(t) for t in state], [_clone(t) for t in state]
+    backup = [_clone(t) for t in state]
+    for t in backup:
+        for part in _tensors(t):
+            part.fill_(7)
+    if not keep_master:
+        backup[0] = None
+    grad, key = torch.randn(n), step_key(2, 3) if master_dtype == torch.bfloat16 else None
+    adam_step(state[0], grad, state[1], state[2], hyper, 2, sr_key=key, threads=2, backup=tuple(backup))
+    adam_step(plain[0], grad, plain[1], plain[2], hyper, 2, sr_key=key, threads=2)
+    for kept, was in zip(backup, before):
+        if kept is not None:
+            assert all(torch.equal(x, y) for x, y in zip(_tensors(kept), _tensors(was)))
+    for a, b in zip(state, plain):
+        assert all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
+    assert not torch.equal(state[0], before[0])
+
+
+def test_a_backup_unlike_the_state_is_refused():
+    n = 16
+    good = _good(n)
+    m = torch.zeros(n)
+    with pytest.raises(ValueError, match="backup exp_avg must be a torch.float32 tensor like exp_avg"):
+        adam_step(*good.values(), AdamHyper(), 1, backup=(None, m.bfloat16(), m.clone()))
+    with pytest.raises(ValueError, match="backup exp_avg_sq has 15 elements but exp_avg_sq has 16"):
+        adam_step(*good.values(), AdamHyper(), 1, backup=(None, m.clone(), torch.zeros(n - 1)))
+    with pytest.raises(ValueError, match="exp_avg and backup param overlap"):
+        adam_step(*good.values(), AdamHyper(), 1, backup=(good["exp_avg"], m.clone(), m.clone()))
+
+
 # Cut at no vector, block or thread boundary; three of them meet, two others too; the call's own values
 # between. Decay alone, rate alone (a third of the call's: not exact in binary), both, betas, eps.
 RUNS = GroupRuns(((5, 1000, GroupHyper(0.0)), (1000, 40_001, GroupHyper(0.3)),
@@ -379,6 +428,7 @@ def test_native_checks_what_it_is_given():
     }
     no_checksum = (None, 0, 0, None)
     no_runs = (None, None, 0)
+    no_backup = (None,) * 5
     crcs = torch.zeros(1, dtype=torch.int32)
     checksum_cases = {
         "no length": (p + 256, 0, 4096, crcs.data_ptr()),
@@ -388,10 +438,18 @@ def test_native_checks_what_it_is_given():
     args = (p, 0, 0, p + 256, p + 512, 0, None, None, p + 768, 0, None, 0, 8) + common
     for checksum in checksum_cases.values():
         with pytest.raises(_native.NativeError, match="checksummed data needs a pointer, a length and a chunk size"):
-            _native.check(step(*args, *checksum, *no_runs))
+            _native.check(step(*args, *checksum, *no_runs, *no_backup))
     for bad, message in cases.values():
         with pytest.raises(_native.NativeError, match=message):
-            _native.check(step(*bad, *no_checksum, *no_runs))
+            _native.check(step(*bad, *no_checksum, *no_runs, *no_backup))
+    backup_cases = {  # Note [the old state kept in the pass]: param, moments, their scales
+        (None, p + 600, None, None, None): "a backup needs exp_avg and exp_avg_sq",
+        (None, p + 272, p + 600, None, None): "exp_avg and backup exp_avg overlap",
+        (p + 2, p + 600, p + 640, None, None): "backup param is not 4-byte aligned",
+    }
+    for backup, message in backup_cases.items():
+        with pytest.raises(_native.NativeError, match=message):
+            _native.check(step(*args, *no_checksum, *no_runs, *backup))
     good = [0.0, 1.0, 0.9, 0.999, 1e-8]  # a run's weight decay, lr scale, beta1, beta2, eps (native/adam_args.h)
     run_cases = [  # (message, bounds of two runs over the 8 elements, their hyper-parameters)
         ("run 1 is \\[2, 6\\)", [0, 4, 2, 6], [good, good]),
@@ -409,7 +467,7 @@ def test_native_checks_what_it_is_given():
         arrays = [None if v is None else torch.tensor(v, dtype=dtype)
                   for v, dtype in zip(values, (torch.int64, torch.float64))]
         with pytest.raises(_native.NativeError, match=message):
-            _native.check(step(*args, *no_checksum, *(a if a is None else a.data_ptr() for a in arrays), 2))
+            _native.check(step(*args, *no_checksum, *(a if a is None else a.data_ptr() for a in arrays), 2, *no_backup))
     assert all(buf == 0)  # nothing was written
 
 

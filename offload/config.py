@@ -208,11 +208,24 @@ class SchedulerConfig:
                                   "warmup_num_steps")
 
 
+@dataclass(frozen=True)
+class BatchSizes:
+    """Note [batch sizes], resolved."""
+
+    train_batch_size: int
+    micro: int
+    accumulation: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    train_batch_size: int | None = _f(None, "micro batch x accumulation x world size, checked if given", ge=1)
-    train_micro_batch_size_per_gpu: int = _f(1, "samples per forward on each rank", ge=1)
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", ge=1)
+    # Note [batch sizes]: any two of these three give the third, as in DeepSpeed; read them through batch().
+    train_batch_size: int | None = _f(None, "micro batch x accumulation x world size; with one of those two, "
+                                            "gives the other", ge=1)
+    train_micro_batch_size_per_gpu: int | None = _f(None, "samples per forward on each rank (default: from "
+                                                          "train_batch_size, else 1)", ge=1)
+    gradient_accumulation_steps: int | None = _f(None, "micro-batches per optimizer step (default: from "
+                                                       "train_batch_size and the micro batch, else 1)", ge=1)
     gradient_clipping: float = _f(0.0, "clip the global gradient norm to this; 0 = off", ge=0)
     optimizer: OptimizerConfig = _f(OptimizerConfig(), "optimizer")
     bf16: BF16Config = _f(BF16Config(), "bfloat16 compute")
@@ -305,6 +318,41 @@ class Config:
             z, offload_optimizer=dataclasses.replace(z.offload_optimizer, nvme_path=path),
             offload_param=dataclasses.replace(z.offload_param, nvme_path=path)))
 
+    def batch(self, world: int | None = None) -> BatchSizes:
+        """Note [batch sizes] for ``world`` data-parallel ranks (default: the
+        process group's, else 1).
+
+        Note [batch sizes]
+        DeepSpeed's rule: with ``train_batch_size`` and one of the micro batch
+        and ``gradient_accumulation_steps``, the other is what makes the product
+        (``train_batch_size`` = micro batch x accumulation x ranks); with
+        ``train_batch_size`` alone there is no accumulation; without it, an
+        unset micro batch or accumulation is 1. So a pasted DeepSpeed config
+        accumulates as it did there. The engine never slices a batch: the
+        micro batch only sizes ``offload train``'s batches, and is checked."""
+        if world is None:
+            from offload.zero import comm  # the process group, if any; config loading needs no torch.distributed
+
+            world = comm.world()[1]
+        total, micro, steps = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if total is None:
+            micro, steps = micro or 1, steps or 1
+            return BatchSizes(micro * steps * world, micro, steps)
+        if micro is None or steps is None:
+            known, name = (steps or 1, "gradient_accumulation_steps") if micro is None else \
+                (micro, "train_micro_batch_size_per_gpu")
+            derived, rest = divmod(total, known * world)
+            if rest or not derived:
+                raise ConfigError(f"train_batch_size {total} is not a multiple of {name} {known} x world size "
+                                  f"{world}, so {'train_micro_batch_size_per_gpu' if micro is None else 'gradient_accumulation_steps'} "
+                                  f"cannot be derived from it; give train_batch_size as a multiple of {known * world}")
+            micro, steps = (derived, known) if micro is None else (micro, derived)
+        if total != micro * steps * world:
+            raise ConfigError(f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                              f"gradient_accumulation_steps {steps} x world size {world} = {micro * steps * world}; "
+                              "fix one of them, or leave one of the three out to have it derived")
+        return BatchSizes(total, micro, steps)
+
     @property
     def state_dtype(self) -> str:
         """The optimizer moments' storage dtype (Note [state format])."""
@@ -389,7 +437,7 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
-        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and c.gradient_accumulation_steps > 1,
+        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and c.batch().accumulation > 1,
          "its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master weights are bf16"),
         ("zero_optimization.offload_optimizer.overlap_step", oo.overlap_step and (oo.device == "none" or z.stage == 1),
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "

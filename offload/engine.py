@@ -43,7 +43,7 @@ import torch
 from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
-from offload.errors import ConfigError, UsageError, in_brief
+from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
@@ -98,14 +98,7 @@ class Engine:
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
         offload = zero.offload_optimizer
-        self.accumulation = config.gradient_accumulation_steps
-        if config.train_batch_size is not None:
-            expected = config.train_micro_batch_size_per_gpu * self.accumulation * self.world
-            if config.train_batch_size != expected:
-                raise ConfigError(
-                    f"train_batch_size {config.train_batch_size} != train_micro_batch_size_per_gpu "
-                    f"{config.train_micro_batch_size_per_gpu} x gradient_accumulation_steps {self.accumulation} "
-                    f"x world size {self.world} = {expected}; fix one of them")
+        self.accumulation = config.batch(self.world).accumulation  # Note [batch sizes]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = {p for p in model.parameters() if not p.requires_grad}  # what it was made with
         if not named:

@@ -235,7 +235,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     optimizer state's instead; ``host_accelerator``: the CPU computes."""
     zero = config.zero_optimization
     d = 4 if config.compute_dtype_name == "float32" else 2
-    a = config.gradient_accumulation_steps
+    a = config.batch(gpus).accumulation
     g = d if setup.stage == 1 or a == 1 else 4
     o = StateFormat.named(state_dtype or config.state_dtype, master_dtype or config.master_dtype, setup.stage,
                           setup.weights).bytes_per_element

@@ -50,6 +50,37 @@ def test_a_deepspeed_file_loads_with_one_warning_listing_tuning_keys(tmp_path):
     assert config.compute_dtype_name == "bfloat16"
 
 
+@pytest.mark.parametrize("given,world,expected", [  # given: train_batch_size, micro batch, accumulation (None: unset)
+    ((None, None, None), 1, (1, 1, 1)),
+    ((None, 4, None), 2, (8, 4, 1)),
+    ((None, None, 3), 2, (6, 1, 3)),
+    ((32, 8, 4), 1, (32, 8, 4)),
+    ((32, 4, None), 2, (32, 4, 4)),  # DeepSpeed derives the accumulation
+    ((32, None, 2), 2, (32, 8, 2)),  # and the micro batch
+    ((8, None, None), 2, (8, 4, 1)),  # train_batch_size alone: no accumulation
+])
+def test_batch_sizes_follow_deepspeed(given, world, expected):
+    """Note [batch sizes]."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    config = Config.load({k: v for k, v in zip(keys, given) if v is not None})
+    b = config.batch(world)
+    assert (b.train_batch_size, b.micro, b.accumulation) == expected
+
+
+@pytest.mark.parametrize("data,world,message", [
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1}, 1,
+     "train_batch_size 10 != train_micro_batch_size_per_gpu 3 x gradient_accumulation_steps 1 x world size 1 = 3"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
+     "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1, so "
+     "gradient_accumulation_steps cannot be derived"),
+    ({"train_batch_size": 6}, 4, "train_batch_size 6 is not a multiple of gradient_accumulation_steps 1 x world size 4"),
+    ({"train_batch_size": 2, "gradient_accumulation_steps": 4}, 1, "so train_micro_batch_size_per_gpu cannot be derived"),
+])
+def test_batch_sizes_that_do_not_add_up_are_named(data, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", "\\(")):
+        Config.load(data).batch(world)
+
+
 def test_defaults_need_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

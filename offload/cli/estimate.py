@@ -125,7 +125,7 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
     trained = "" if shape.trainable is None else f", {shape.trained / 1e6:.4g}M of them trained"
     lines = [f"offload estimate: {human_count(shape.params)} parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
-             f"accumulation {config.gradient_accumulation_steps}", "",
+             f"accumulation {config.batch(args.gpus).accumulation}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
              + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()),
              "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "

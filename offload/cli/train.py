@@ -162,7 +162,7 @@ def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) ->
         _init_distributed()
         made.process_group = True
     rank, world = comm.world()
-    data = ByteBatches(stdlib_corpus(), seq_len, config.train_micro_batch_size_per_gpu, args.seed)
+    data = ByteBatches(stdlib_corpus(), seq_len, config.batch(world).micro, args.seed)
     summary = _train(args, model_config, config, data, rank, world, made)
     if made.reporting:
         _write_outputs(made.out, summary)
@@ -254,7 +254,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     engine = made.engine = offload.initialize(model, config, init_fn=model.init_module, param_groups=groups)
-    accumulation = config.gradient_accumulation_steps
+    accumulation = engine.accumulation
     tokens_per_step = data.batch_size * data.seq_len * accumulation * world
     evals = data.eval_batches(EVAL_BATCHES)
     rows, losses = [], []

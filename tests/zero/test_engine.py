@@ -181,6 +181,24 @@ def test_batch_size_mismatch_is_refused():
         offload.initialize(make_model(), {**config(2, "none", 1), "train_batch_size": 10})
 
 
+def test_a_deepspeed_config_without_accumulation_accumulates_what_its_batch_sizes_say():
+    """Note [batch sizes]: train_batch_size 9 of micro-batches of 3 on one rank is
+    3 micro-batches a step, as DeepSpeed derives it; the steps are those of
+    accumulation 3 given outright."""
+    derived = config(2, "cpu", 1)
+    del derived["gradient_accumulation_steps"]
+    derived["train_batch_size"] = 3 * derived["train_micro_batch_size_per_gpu"]
+    engines = [offload.initialize(make_model(), cfg) for cfg in (derived, config(2, "cpu", 3))]
+    assert [e.accumulation for e in engines] == [3, 3]
+    for engine in engines:
+        for micro in range(3):
+            engine.backward(engine(batch(0, micro, 0)))
+            engine.step()
+        assert engine.global_steps == 1
+    a, b = (e.module.state_dict() for e in engines)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_step_acts_only_at_accumulation_boundaries():
     engine = offload.initialize(make_model(), config(2, "cpu", 3))
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}

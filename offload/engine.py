@@ -36,6 +36,7 @@ import math
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -74,6 +75,7 @@ from offload.zero.weights import ReplicatedWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
 KEPT_BUFFERS = {"inv_freq", "original_inv_freq"}  # Note [buffers in low precision]
+HELD_BY = "_offload_engine"  # a model's attribute: a weak reference to the engine training it, until its close()
 
 
 class Engine:
@@ -81,6 +83,14 @@ class Engine:
         """``init_fn(module)`` initialises a module's own parameters when the model
         was built under ``offload.init`` (default: the module's reset_parameters).
         ``param_groups``: Note [parameter groups]."""
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"offload.initialize takes a torch.nn.Module, got {type(model).__name__}; for a Hugging "
+                             "Face model's name or directory, offload.from_pretrained(name, config) builds and loads it")
+        holder = getattr(model, HELD_BY, lambda: None)()
+        if holder is not None and not holder._closed:
+            raise UsageError("offload.initialize was given a model another engine still trains (its hooks and "
+                             "partitioned parameters are that engine's); call that engine's close() first, which "
+                             "gives the model back, or build a new model")
         dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it takes ~1 s)
         if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
@@ -176,6 +186,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
         self._closed = False
+        object.__setattr__(model, HELD_BY, weakref.ref(self))  # not nn.Module's setattr: no submodule, no state
         self._holding = 0  # gathered blocks open (Engine.gathered)
         self._guards = [m.register_load_state_dict_pre_hook(_refuse_load_state_dict) for m in model.modules()]
 
@@ -611,6 +622,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.module.__dict__.pop(HELD_BY, None)
         try:
             self.synchronize()
             if restore_model:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import offload
 from offload import _native
+from offload.errors import UsageError
 from offload.zero.transfer import SIMULATE_ENV
 
 from .harness import (
@@ -275,6 +276,23 @@ def test_close_can_leave_a_stage_3_model_unmaterialised(tmp_path):
     engine = train_engine(model, 1, 1, config(3, "cpu", 1, param_device="cpu"))
     engine.close(restore_model=False)
     assert model.blocks[1][0].weight.untyped_storage().size() == 0  # a model too big for memory stays so
+
+
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "cpu")])
+def test_a_model_another_engine_trains_is_refused_until_that_engine_closes(stage, param_device):
+    model = make_model()
+    first = train_engine(model, 1, 1, config(stage, "cpu", 1, param_device=param_device))
+    with pytest.raises(UsageError, match="a model another engine still trains .* call that engine's close"):
+        offload.initialize(model, config(stage, "cpu", 1, param_device=param_device))
+    first.close()
+    second = train_engine(model, 1, 1, config(stage, "cpu", 1, param_device=param_device))  # given back: trains again
+    assert second.global_steps == 1
+    second.close()
+
+
+def test_initialize_names_what_it_takes_when_given_no_module():
+    with pytest.raises(UsageError, match="takes a torch.nn.Module, got str; .* offload.from_pretrained"):
+        offload.initialize("gpt2", config(2, "cpu", 1))
 
 
 def test_the_initialize_nvme_path_replaces_the_configs(tmp_path):

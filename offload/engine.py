@@ -579,6 +579,10 @@ class Engine:
     def restore_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps, self.skipped_steps = state.global_steps, state.micro_steps, state.skipped_steps
         self.pending_micro_steps, self._window_ended = 0, False  # saved and restored between steps only
+        if self.schedule is None and state.lr != self.optimizer.lr:
+            warnings.warn(f"load_checkpoint: the learning rate resumes at the saved {state.lr:g}, not this engine's "
+                          f"{self.optimizer.lr:g} (optimizer.params.lr, or the last engine.lr set); set engine.lr after "
+                          "loading to train at another", UserWarning, stacklevel=4)
         self.optimizer.lr = state.lr if self.schedule is None else self.schedule.rate(self.applied_steps)
         self.scaler.load_state_dict(state.loss_scaler)
 

@@ -199,6 +199,26 @@ def test_a_checkpoint_records_the_groups_and_a_load_says_when_they_differ(tmp_pa
             engine.load_checkpoint(str(tmp_path / "ckpt"))
 
 
+def test_a_load_says_when_the_learning_rate_resumes_at_the_saved_one(tmp_path):
+    """Without a schedule the saved rate comes back (as in DeepSpeed), over the
+    loading engine's config: said, with the way to change it; not said when equal."""
+    cfg = _config(2, "cpu", tmp_path)
+    with train_engine(make_model(), 1, 2, cfg) as engine:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = engine.lr
+    lower = {**cfg, "optimizer": {**cfg["optimizer"], "params": {**cfg["optimizer"]["params"], "lr": saved / 2}}}
+    for loading, said in ((lower, True), (cfg, False)):
+        with offload.initialize(make_model(), loading) as engine:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.load_checkpoint(str(tmp_path / "ckpt"))
+            assert engine.lr == saved
+        told = [str(w.message) for w in caught if "learning rate" in str(w.message)]
+        assert told == ([f"load_checkpoint: the learning rate resumes at the saved {saved:g}, not this engine's "
+                         f"{saved / 2:g} (optimizer.params.lr, or the last engine.lr set); set engine.lr after "
+                         "loading to train at another"] if said else []), told
+
+
 # A warm-up to 4.5e-3, where the config's optimizer.params.lr is 3e-3: a group's lr is its rate at the peak.
 PEAKING = {"type": "WarmupLR", "params": {"warmup_min_lr": 1.5e-3, "warmup_max_lr": 4.5e-3, "warmup_num_steps": 4,
                                           "warmup_type": "linear"}}

@@ -207,6 +207,7 @@ class Estimate:
     pcie_bytes_per_step: float  # per rank, host <-> accelerator
     disk_read_per_step: float  # per node
     disk_written_per_step: float
+    bytes_per_param: float  # of training state, whole (before partitioning): weights, gradient and optimizer state
     fits: dict[str, bool] = field(default_factory=dict)
 
     def rank_total(self, tier: str) -> float:
@@ -315,7 +316,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     written += d * max(0, t - (n - weights_on_disk))
     per_node = gpus // nodes
     return Estimate(setup, tiers, {t: per_node * sum(tiers[t].values()) for t in TIERS}, pcie,
-                    per_node * read, per_node * written)
+                    per_node * read, per_node * written, d + g + o)
 
 
 def check_fits(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None) -> None:

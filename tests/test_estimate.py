@@ -232,6 +232,8 @@ def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     assert main(["plan", "--params", "100K", "--nvme-path", str(nvme), "--bench-size", "8M", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "chosen: stage 2, optimizer none" in printed
+    # No GPU here, so the plan computes in fp32: 4-byte weights and gradients beside 12 bytes of Adam state.
+    assert "100K parameters need 0.0 GB of training state at 20 bytes each" in printed, printed
     assert printed.strip().endswith(f'wrote {out}; use it: engine = offload.initialize(model, "{out}")')
     assert set(json.loads(out.read_text())) == {"train_micro_batch_size_per_gpu", "bf16", "zero_optimization"}  # no
     # training choice (clipping, the optimizer) that the plan's memory figures do not depend on

@@ -175,13 +175,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
-    total = 16 * shape.params
+    total = e.bytes_per_param * shape.params
     accelerator = f"{machine.gpus} GPU(s) of {machine.gpu_mem / 1e9:.0f} GB" if machine.gpu_mem else "no GPU (the CPU computes)"
     disk = ""
     if machine.nvme_free is not None:
         disk = (f", {machine.nvme_free / 1e9:.0f} GB free on NVMe reading {machine.read_gbps:.2f} and writing "
                 f"{machine.write_gbps:.2f} GB/s")
-    lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at 16 bytes each; "
+    lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at {e.bytes_per_param:g} bytes each "
+             f"(weights, gradients and optimizer state, in the config's dtypes); "
              f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
              f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator; per node {e.node['host'] / 1e9:.2f} GB host, "

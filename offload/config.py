@@ -294,6 +294,10 @@ class Config:
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
         if nvme_path is not None:
+            if isinstance(data, dict) and not nvme_sections(data):
+                warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
+                              "is on nvme (zero_optimization.offload_optimizer.device, offload_param.device)",
+                              UserWarning, stacklevel=3)
             data = _with_nvme_path(data, os.fspath(nvme_path))
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 import warnings
@@ -96,6 +97,12 @@ class Engine:
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "
                              "keys are its wrapper's (_orig_mod.*); pass the model itself and compile it after "
                              "initialize: model.compile() or torch.compile(engine.module)")
+        for key in ("offload_optimizer", "offload_param"):
+            section = getattr(config.zero_optimization, key)
+            if section.device == "nvme" and not os.path.isdir(section.nvme_path or ""):
+                raise UsageError(f"zero_optimization.{key}.nvme_path {section.nvme_path!r} is not an existing directory; "
+                                 "create it, or point it at one (offload.initialize(model, config, nvme_path=DIR) "
+                                 "replaces every nvme_path of the config)")
         self.schedule = schedule_of(config)
         # Before anything replaces a parameter: the groups name the user's own.
         self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(

@@ -295,6 +295,19 @@ def test_initialize_names_what_it_takes_when_given_no_module():
         offload.initialize("gpt2", config(2, "cpu", 1))
 
 
+def test_a_missing_swap_directory_is_named_by_its_key(tmp_path):
+    missing = str(tmp_path / "absent")
+    with pytest.raises(UsageError, match=r"zero_optimization.offload_param.nvme_path '.*absent' is not an existing "
+                                         r"directory; create it, or point it at one \(offload.initialize"):
+        offload.initialize(make_model(), config(3, "cpu", 1, missing, param_device="nvme"))
+
+
+def test_an_initialize_nvme_path_without_an_nvme_tier_is_said(tmp_path):
+    with pytest.warns(UserWarning, match=r"nvme_path='.*' has no effect here: no tier of this config is on nvme"):
+        engine = offload.initialize(make_model(), config(2, "cpu", 1), nvme_path=tmp_path)
+    engine.close()
+
+
 def test_the_initialize_nvme_path_replaces_the_configs(tmp_path):
     shipped = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "zero2_nvme.json")
     with open(shipped) as f:

@@ -280,6 +280,9 @@ def test_progress_bar_measures_the_terminal_it_draws_on(monkeypatch):
     (["trian"], "offload: error: argument COMMAND: invalid choice: 'trian'; did you mean 'train'? (see offload --help)"),
     (["bench", "stpe"],
      "offload bench: error: argument BENCHMARK: invalid choice: 'stpe'; did you mean 'step'? (see offload bench --help)"),
+    (["estimate", "--parms", "7B"],  # argparse finds the required option missing before the misspelt one unknown
+     "offload estimate: error: one of the arguments --params --model-config is required; unrecognized: --parms "
+     "(did you mean --params?) (see offload estimate --help)"),
 ])
 def test_a_typo_gets_the_nearest_name_and_the_help_page_that_lists_it(capsys, argv, line):
     """One line, status 2, the nearest valid name, and the help page of the
@@ -296,6 +299,16 @@ def test_a_typo_gets_the_nearest_name_and_the_help_page_that_lists_it(capsys, ar
     with pytest.raises(SystemExit):
         build_parser().parse_args(help_page + ["--help"])
     assert suggestion in capsys.readouterr().out
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`offload estimate ... | head -1`: no traceback when the pipe closes, and
+    the status a shell tool killed by SIGPIPE gives."""
+    command = [sys.executable, "-m", "offload", "estimate", "--params", "1B"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the child, still importing torch, writes its first line
+    _, err = child.communicate(timeout=120)
+    assert (child.returncode, err.decode()) == (141, "")
 
 
 def test_only_the_first_sigint_raises():

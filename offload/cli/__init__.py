@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import signal
 import sys
 
 from offload.cli import bench_adam, bench_step, bench_swap, clean, estimate, export, plan, train
@@ -21,7 +23,16 @@ class _Parser(argparse.ArgumentParser):
 
     commands: argparse._SubParsersAction | None = None
 
+    argv: list[str] = []  # the command line being parsed
+
     def error(self, message: str):
+        # argparse reports a missing required option before options it does not
+        # know, so `--parms 7B` would only say --params is missing: name the misspelling too.
+        options = [option for action in self._actions for option in action.option_strings]
+        unknown = [arg.split("=")[0] for arg in _Parser.argv if arg.startswith("--") and arg.split("=")[0] not in options]
+        nearest = [f"{arg} (did you mean {near}?)" for arg in unknown if (near := _nearest(arg, options))]
+        if nearest and "unrecognized arguments" not in message:
+            message += f"; unrecognized: {', '.join(nearest)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def add_subparsers(self, **kwargs):
@@ -31,6 +42,7 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         # Options no subcommand knows come back up to the top-level parser; the
         # subcommand given them reports them, as only its help lists its options.
+        _Parser.argv = list(sys.argv[1:] if args is None else args)
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             parser = self._chosen(namespace)
@@ -84,3 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status
+    except BrokenPipeError:  # the reader left (`| head`): stop as the shell's own tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 128 + signal.SIGPIPE

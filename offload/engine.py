@@ -115,7 +115,8 @@ class Engine:
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
         offload = zero.offload_optimizer
-        self.accumulation = config.batch(self.world).accumulation  # Note [batch sizes]
+        self.batch = config.batch(self.world)  # Note [batch sizes]
+        self.accumulation = self.batch.accumulation
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = {p for p in model.parameters() if not p.requires_grad}  # what it was made with
         if not named:
@@ -271,7 +272,7 @@ class Engine:
         # raised: speculation that took the window as complete is undone.
         if self._window_ended or self._backward_raised:
             self.update.reopen(self.times)
-        last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
+        last = self.is_gradient_accumulation_boundary()
         self._next_ends = None
         if last:
             self._keep_changes_in_place()
@@ -312,6 +313,23 @@ class Engine:
         The loss is divided by ``gradient_accumulation_steps`` all the same
         unless backward is given ``scale_wrt_gas=False``."""
         self._next_ends = bool(is_boundary)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """As in DeepSpeed: whether the next backward ends its accumulation
+        window (``is_boundary``: whether the last one did, awaiting its step)."""
+        return self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
+
+    def gradient_accumulation_steps(self) -> int:
+        """As in DeepSpeed (Note [batch sizes])."""
+        return self.accumulation
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """As in DeepSpeed (Note [batch sizes]); the engine takes whatever batch it is given."""
+        return self.batch.micro
+
+    def train_batch_size(self) -> int:
+        """As in DeepSpeed: micro batch x accumulation x world size (Note [batch sizes])."""
+        return self.batch.train_batch_size
 
     def zero_grad(self) -> None:
         """Gradients are consumed by the reducer as they are produced; kept for API compatibility."""

@@ -200,6 +200,28 @@ def test_a_deepspeed_config_without_accumulation_accumulates_what_its_batch_size
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_deepspeed_batch_getters_and_boundary_answer_as_there():
+    cfg = config(2, "cpu", 1)
+    del cfg["gradient_accumulation_steps"]
+    cfg["train_batch_size"] = 3 * cfg["train_micro_batch_size_per_gpu"]
+    with offload.initialize(make_model(), cfg) as engine:
+        micro = cfg["train_micro_batch_size_per_gpu"]
+        assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                engine.gradient_accumulation_steps()) == (3 * micro, micro, 3)
+        seen = []
+        for step in range(2):
+            for m in range(3):
+                seen.append(engine.is_gradient_accumulation_boundary())  # asked before the backward, as in DeepSpeed
+                engine.backward(engine(batch(step, m, 0)))
+                engine.step()
+        assert seen == [False, False, True] * 2 and engine.global_steps == 2
+        engine.set_gradient_accumulation_boundary(True)
+        assert engine.is_gradient_accumulation_boundary()
+        engine.backward(engine(batch(2, 0, 0)))
+        engine.step()
+        assert engine.global_steps == 3 and not engine.is_gradient_accumulation_boundary()
+
+
 def test_step_acts_only_at_accumulation_boundaries():
     engine = offload.initialize(make_model(), config(2, "cpu", 3))
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}

@@ -28,7 +28,7 @@ _dbl = ctypes.c_double
 _ptr = ctypes.c_void_p
 
 # native/errors.cpp's offload_abi_version of the library these signatures describe.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # name -> (restype, argtypes). Functions returning int return 0 (or a value >= 0)
 # on success and -1 after recording a message for offload_last_error; those

@@ -297,7 +297,7 @@ class Config:
             if isinstance(data, dict) and not nvme_sections(data):
                 warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
                               "is on nvme (zero_optimization.offload_optimizer.device, offload_param.device)",
-                              UserWarning, stacklevel=3)
+                              UserWarning, stacklevel=2)
             data = _with_nvme_path(data, os.fspath(nvme_path))
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:
@@ -441,7 +441,8 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
-        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and c.batch().accumulation > 1,
+        # The accumulation as given: derived, it needs the world size, unknown while loading (Note [batch sizes]).
+        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and (c.gradient_accumulation_steps or 1) > 1,
          "its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master weights are bf16"),
         ("zero_optimization.offload_optimizer.overlap_step", oo.overlap_step and (oo.device == "none" or z.stage == 1),
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "

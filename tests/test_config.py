@@ -81,6 +81,19 @@ def test_batch_sizes_that_do_not_add_up_are_named(data, world, message):
         Config.load(data).batch(world)
 
 
+def test_batch_sizes_of_many_ranks_load_without_a_process_group():
+    """Note [batch sizes]: loading (offload estimate, offload train before torchrun's
+    group exists) resolves nothing; the world size does, later."""
+    data = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = Config.load(data)
+    assert config.batch(8).accumulation == 2
+    with pytest.raises(ConfigError, match="world size 1 = 8"):
+        config.batch(1)
+
+
 def test_defaults_need_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -32,6 +32,18 @@ def summary_of(out_dir):
 
 
 @native
+@pytest.mark.parametrize("batch,expected", [({"train_batch_size": 8}, (8, 1)),
+                                            ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, (4, 2))])
+def test_train_takes_a_deepspeed_batch_size_as_deepspeed_does(tmp_path, batch, expected):
+    """Note [batch sizes]: no default micro batch overrides train_batch_size's."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**batch, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["train", "--config", str(config), "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "o")]) == 0
+    s = summary_of(tmp_path / "o")
+    assert (s["micro_batch"], s["accumulation"]) == expected
+
+
+@native
 def test_train_end_to_end(tmp_path, capsys, monkeypatch):
     nvme, out = tmp_path / "nvme", tmp_path / "out"
     nvme.mkdir()

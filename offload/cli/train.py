@@ -199,7 +199,8 @@ def _raw_config(args: argparse.Namespace) -> dict:
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
         raw.pop("train_batch_size", None)  # recomputed from the micro batch
-    raw.setdefault("train_micro_batch_size_per_gpu", 8)
+    if "train_batch_size" not in raw:  # else it gives the micro batch, or the accumulation (Note [batch sizes])
+        raw.setdefault("train_micro_batch_size_per_gpu", 8)
     if args.config is None:  # the default config: bf16 where CUDA can compute in it
         raw["bf16"] = {"enabled": torch.cuda.is_available()}
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):

@@ -311,6 +311,19 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     assert (child.returncode, err.decode()) == (141, "")
 
 
+def test_a_broken_pipe_other_than_the_output_is_a_bug(monkeypatch):
+    """Only a closed reader of our output ends a command quietly; a socket or a
+    child's pipe breaking is a traceback to report."""
+    from offload.cli import estimate
+
+    def broken(args):
+        raise BrokenPipeError(32, "a child's pipe")
+
+    monkeypatch.setattr(estimate, "run", broken)
+    with pytest.raises(BrokenPipeError, match="a child's pipe"):
+        main(["estimate", "--params", "1B"])
+
+
 def test_only_the_first_sigint_raises():
     """torchrun passes the terminal's Ctrl-C on to every rank, and users press it
     twice: after the first, SIGINT no longer cuts cleanup short (Note [Ctrl-C])."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import select
 import signal
 import sys
 
@@ -28,11 +29,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # argparse reports a missing required option before options it does not
         # know, so `--parms 7B` would only say --params is missing: name the misspelling too.
-        options = [option for action in self._actions for option in action.option_strings]
-        unknown = [arg.split("=")[0] for arg in _Parser.argv if arg.startswith("--") and arg.split("=")[0] not in options]
-        nearest = [f"{arg} (did you mean {near}?)" for arg in unknown if (near := _nearest(arg, options))]
-        if nearest and "unrecognized arguments" not in message:
-            message += f"; unrecognized: {', '.join(nearest)}"
+        if "required" in message:
+            options = [option for action in self._actions for option in action.option_strings]
+            unknown = [arg.split("=")[0] for arg in _Parser.argv if arg.startswith("--")]
+            unknown = [arg for arg in unknown if not any(o.startswith(arg) for o in options)]  # nor an abbreviation
+            nearest = [f"{arg} (did you mean {near}?)" for arg in unknown if (near := _nearest(arg, options))]
+            if nearest:
+                message += f"; unrecognized: {', '.join(nearest)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def add_subparsers(self, **kwargs):
@@ -96,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status
-    except BrokenPipeError:  # the reader left (`| head`): stop as the shell's own tools do
+    except BrokenPipeError:
+        if not _reader_gone(sys.stdout):
+            raise  # another pipe broke (a socket, a child's): a bug to report
+        # The reader of our output left (`| head`): stop as the shell's own tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
         return 128 + signal.SIGPIPE
+
+
+def _reader_gone(stream) -> bool:
+    """``stream`` is the write end of a pipe whose reading end is closed (poll's POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll on this platform
+        return False

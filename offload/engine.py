@@ -76,7 +76,9 @@ from offload.zero.weights import ReplicatedWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
 KEPT_BUFFERS = {"inv_freq", "original_inv_freq"}  # Note [buffers in low precision]
-HELD_BY = "_offload_engine"  # a model's attribute: a weak reference to the engine training it, until its close()
+LR_RESUMES = "load_checkpoint: the learning rate resumes at the saved"
+_HELD: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()  # model -> its engine
+# (beside the model, not on it: an attribute would travel with its pickles and deep copies)
 
 
 class Engine:
@@ -87,7 +89,7 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"offload.initialize takes a torch.nn.Module, got {type(model).__name__}; for a Hugging "
                              "Face model's name or directory, offload.from_pretrained(name, config) builds and loads it")
-        holder = getattr(model, HELD_BY, lambda: None)()
+        holder = _HELD.get(model, lambda: None)()
         if holder is not None and not holder._closed:
             raise UsageError("offload.initialize was given a model another engine still trains (its hooks and "
                              "partitioned parameters are that engine's); call that engine's close() first, which "
@@ -187,6 +189,7 @@ class Engine:
         self._window_ended = False
         self._backward_raised = False  # the last backward raised before it returned
         self._next_ends: bool | None = None  # set_gradient_accumulation_boundary
+        self._stepped_since_backward = True  # step() was called after the last backward (or none ran yet)
         self.global_steps = 0
         self.skipped_steps = 0
         if self.schedule is not None:
@@ -194,7 +197,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.times = PhaseTimes()
         self._closed = False
-        object.__setattr__(model, HELD_BY, weakref.ref(self))  # not nn.Module's setattr: no submodule, no state
+        _HELD[model] = weakref.ref(self)
         self._holding = 0  # gathered blocks open (Engine.gathered)
         self._guards = [m.register_load_state_dict_pre_hook(_refuse_load_state_dict) for m in model.modules()]
 
@@ -272,7 +275,7 @@ class Engine:
         # raised: speculation that took the window as complete is undone.
         if self._window_ended or self._backward_raised:
             self.update.reopen(self.times)
-        last = self.is_gradient_accumulation_boundary()
+        last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
         self._next_ends = None
         if last:
             self._keep_changes_in_place()
@@ -286,6 +289,7 @@ class Engine:
             comm.check_same_collectives("backward")  # Note [same collectives]
         self.micro_steps += 1
         self.pending_micro_steps += 1
+        self._stepped_since_backward = False
         self._window_ended = last
 
     def _end_backward(self, complete: bool = True) -> None:
@@ -315,9 +319,17 @@ class Engine:
         self._next_ends = bool(is_boundary)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """As in DeepSpeed: whether the next backward ends its accumulation
-        window (``is_boundary``: whether the last one did, awaiting its step)."""
-        return self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
+        """As in DeepSpeed, for a loop that calls ``step()`` after every backward:
+        whether the micro-batch under way ends its accumulation window, asked
+        before its backward or between it and its ``step()``. (``is_boundary``:
+        whether the last backward ended one that awaits its step.) An override
+        by ``set_gradient_accumulation_boundary`` answers until the next
+        backward, which it governs; DeepSpeed's holds until changed."""
+        if self._next_ends is not None:
+            return self._next_ends
+        if not self._stepped_since_backward:  # between a backward and its step()
+            return self._window_ended
+        return self.pending_micro_steps + 1 >= self.accumulation
 
     def gradient_accumulation_steps(self) -> int:
         """As in DeepSpeed (Note [batch sizes])."""
@@ -343,6 +355,7 @@ class Engine:
 
     def step(self) -> None:
         """The optimizer step, at gradient-accumulation boundaries only."""
+        self._stepped_since_backward = True
         if not self._window_ended:
             return
         if self._holding:
@@ -604,8 +617,8 @@ class Engine:
     def restore_training_state(self, state: TrainingState) -> None:
         self.global_steps, self.micro_steps, self.skipped_steps = state.global_steps, state.micro_steps, state.skipped_steps
         self.pending_micro_steps, self._window_ended = 0, False  # saved and restored between steps only
-        if self.schedule is None and state.lr != self.optimizer.lr:
-            warnings.warn(f"load_checkpoint: the learning rate resumes at the saved {state.lr:g}, not this engine's "
+        if self.schedule is None and state.lr != self.optimizer.lr and self.rank == 0:
+            warnings.warn(f"{LR_RESUMES} {state.lr:g}, not this engine's "
                           f"{self.optimizer.lr:g} (optimizer.params.lr, or the last engine.lr set); set engine.lr after "
                           "loading to train at another", UserWarning, stacklevel=4)
         self.optimizer.lr = state.lr if self.schedule is None else self.schedule.rate(self.applied_steps)
@@ -651,7 +664,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.module.__dict__.pop(HELD_BY, None)
+        _HELD.pop(self.module, None)
         try:
             self.synchronize()
             if restore_model:

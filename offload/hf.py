@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -60,6 +61,7 @@ import torch
 
 import offload
 from offload.config import Config
+from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
 from offload.schedule import schedule_of
@@ -443,7 +445,9 @@ class OffloadTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        self.engine.load_checkpoint(checkpoint, tag=ENGINE_CHECKPOINT)
+        with warnings.catch_warnings():  # the Trainer's scheduler, loaded next, sets the rate
+            warnings.filterwarnings("ignore", message=re.escape(LR_RESUMES))
+            self.engine.load_checkpoint(checkpoint, tag=ENGINE_CHECKPOINT)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
         for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
             group["lr"] = lr

@@ -108,8 +108,8 @@ def train(out: str, stage: int | None, nvme: str | None = None, resume: str | No
     if nvme is not None:
         os.makedirs(nvme, exist_ok=True)
     args = arguments(out, save_steps=save_steps)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:  # kept on the trainer, as ``said``, for tests to read
+        warnings.simplefilter("always")
         if stage is None:
             trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
             if scheduler is not None:
@@ -122,6 +122,7 @@ def train(out: str, stage: int | None, nvme: str | None = None, resume: str | No
             trainer = OffloadTrainer(model=model, args=args, train_dataset=Tokens(), offload_config=config,
                                      nvme_path=nvme)
         trainer.train(resume_from_checkpoint=resume)
+    trainer.said = [str(w.message) for w in caught]
     return trainer
 
 

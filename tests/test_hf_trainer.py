@@ -145,6 +145,7 @@ def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage, scheduler):
                         scheduler=scheduler)
     assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
     assert run.logged(resumed, "learning_rate") == run.logged(whole, "learning_rate")
+    assert not [m for m in resumed.said if "learning rate resumes" in m]  # the Trainer's scheduler sets it
     a, b = whole.engine.state_dict(), resumed.engine.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the checkpoint's weights are a model directory Hugging Face reads

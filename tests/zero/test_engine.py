@@ -208,16 +208,18 @@ def test_the_deepspeed_batch_getters_and_boundary_answer_as_there():
         micro = cfg["train_micro_batch_size_per_gpu"]
         assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                 engine.gradient_accumulation_steps()) == (3 * micro, micro, 3)
-        seen = []
+        before, between = [], []  # asked before each micro-batch's backward, and between it and its step()
         for step in range(2):
             for m in range(3):
-                seen.append(engine.is_gradient_accumulation_boundary())  # asked before the backward, as in DeepSpeed
+                before.append(engine.is_gradient_accumulation_boundary())
                 engine.backward(engine(batch(step, m, 0)))
+                between.append(engine.is_gradient_accumulation_boundary())
                 engine.step()
-        assert seen == [False, False, True] * 2 and engine.global_steps == 2
-        engine.set_gradient_accumulation_boundary(True)
+        assert before == between == [False, False, True] * 2 and engine.global_steps == 2
+        engine.set_gradient_accumulation_boundary(True)  # ends the window at the next backward
         assert engine.is_gradient_accumulation_boundary()
         engine.backward(engine(batch(2, 0, 0)))
+        assert engine.is_gradient_accumulation_boundary()
         engine.step()
         assert engine.global_steps == 3 and not engine.is_gradient_accumulation_boundary()
 
@@ -306,6 +308,8 @@ def test_a_model_another_engine_trains_is_refused_until_that_engine_closes(stage
     first = train_engine(model, 1, 1, config(stage, "cpu", 1, param_device=param_device))
     with pytest.raises(UsageError, match="a model another engine still trains .* call that engine's close"):
         offload.initialize(model, config(stage, "cpu", 1, param_device=param_device))
+    if stage == 2:  # the engine's mark is beside the model: a deep copy is a model of its own
+        offload.initialize(copy.deepcopy(model), config(stage, "cpu", 1)).close()
     first.close()
     second = train_engine(model, 1, 1, config(stage, "cpu", 1, param_device=param_device))  # given back: trains again
     assert second.global_steps == 1

@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=9)
     parser.add_argument("--threads", type=positive_int, default=available_cores())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the copy, torch's, gets the threads the Adam step does
     print(f"median ms per sub-group over {args.rounds} interleaved rounds, {args.threads} threads\n")
     print("| elements | moments | plain | copy+step | in-pass | copy+step / plain | in-pass / plain |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "adam_args.h"
@@ -313,19 +314,16 @@ OFFLOAD_API int offload_adam_step(void* param, int param_dtype, uint32_t sr_key,
   if (threads < 0) return fail("adam: threads must be >= 0 (0 = all available cores), got %d", threads);
   const int isa = g_isa.load();
   const int64_t align = b.moment_dtype == kBlockCodes8 ? kQuantBlock : kRangeAlign;
-  if (crc_out != nullptr) {
-    if (crc_data == nullptr || crc_len <= 0 || crc_chunk <= 0)
+  if (crc_out != nullptr || b.backup.exp_avg != nullptr) {
+    if (crc_out != nullptr && (crc_data == nullptr || crc_len <= 0 || crc_chunk <= 0))
       return fail("adam: checksummed data needs a pointer, a length and a chunk size > 0, got %lld and %lld",
                   static_cast<long long>(crc_len), static_cast<long long>(crc_chunk));
-    ChunkCrcs crcs(static_cast<const uint8_t*>(crc_data), crc_len, crc_chunk, crc_out);
+    std::optional<ChunkCrcs> crcs;
+    if (crc_out != nullptr) crcs.emplace(static_cast<const uint8_t*>(crc_data), crc_len, crc_chunk, crc_out);
+    ChunkCrcs* target = crcs ? &*crcs : nullptr;
     parallel_ranges(n, threads, kMinPerThread, align,
-                    [&](int64_t begin, int64_t end) { run_tiled(isa, b, c, begin, end, &crcs); });
-    crcs.finish();
-    return 0;
-  }
-  if (b.backup.exp_avg != nullptr) {
-    parallel_ranges(n, threads, kMinPerThread, align,
-                    [&](int64_t begin, int64_t end) { run_tiled(isa, b, c, begin, end, nullptr); });
+                    [&](int64_t begin, int64_t end) { run_tiled(isa, b, c, begin, end, target); });
+    if (crcs) crcs->finish();
     return 0;
   }
   if (b.moment_dtype == kBlockCodes8) {

@@ -434,8 +434,8 @@ class StoreOptimizer(ShardOptimizer):
 
     def backup_nbytes(self, n: int) -> int:
         """What ``speculate`` needs to keep the old state of a sub-group of n
-        elements: nothing on nvme, whose swap file keeps it (a copy costs the
-        worker more than the Adam step itself)."""
+        elements: nothing on nvme, whose swap file keeps it (even written in
+        the Adam pass, a copy costs the worker most of a step's time again)."""
         return 0 if self.tier == "nvme" else self.format.nbytes(n)
 
     def settle(self, i: int, backup: torch.Tensor | None, keep: bool) -> None:

@@ -40,10 +40,10 @@ def _state(fmt: StateFormat, n: int, seed: int):
     return buffer, weights, torch.randn(n, generator=g)
 
 
-def _step(fmt, buffer, weights, grad, n, threads, checksum=None):
+def _step(fmt, buffer, weights, grad, n, threads, checksum=None, steps=(1, 2)):
     master, exp_avg, exp_avg_sq = fmt.views(buffer, n, weights)
     sr_key = 11 if master.dtype == torch.bfloat16 else None
-    for step in (1, 2):
+    for step in steps:
         adam_step(master, grad, exp_avg, exp_avg_sq, HYPER, step, threads=threads, sr_key=sr_key,
                   checksum=checksum if step == 2 else None)
 
@@ -77,6 +77,27 @@ def test_the_pass_leaves_the_crcs_of_what_it_wrote(name, n, chunk, threads, isa)
     assert checksum.filled
     assert [c & 0xFFFFFFFF for c in checksum.crcs.tolist()] == _crcs_of(buffer, chunk)
     assert from_memory == 0  # the kernel writes every byte of these formats: all joined from its runs
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_pass_that_keeps_the_old_state_still_checksums_what_it_wrote(name):
+    """Note [the old state kept in the pass] with Note [checksums in the Adam
+    pass]: one pass over several tiles on two threads fills the backup with the
+    state before it, writes the plain step's state, and leaves its CRCs."""
+    fmt, n, chunk = StateFormat.named(*FORMATS[name]), 70_001, CHUNKS[0]
+    buffer, weights, grad = _state(fmt, n, seed=5)
+    plain, plain_weights = buffer.clone(), None if weights is None else weights.clone()
+    _step(fmt, plain, plain_weights, grad, n, 2)
+    _step(fmt, buffer, weights, grad, n, 2, steps=(1,))
+    before, backup = buffer.clone(), torch.full_like(buffer, 7)
+    master, exp_avg, exp_avg_sq = fmt.views(buffer, n, weights)
+    kept_master, kept_avg, kept_avg_sq = fmt.views(backup, n, weights)
+    checksum = ChunkCrcs.of(buffer, chunk)
+    adam_step(master, grad, exp_avg, exp_avg_sq, HYPER, 2, threads=2, sr_key=11 if master.dtype == torch.bfloat16 else None,
+              checksum=checksum, backup=(None if fmt.master_in_weights else kept_master, kept_avg, kept_avg_sq))
+    assert torch.equal(backup, before) and torch.equal(buffer, plain)
+    assert [c & 0xFFFFFFFF for c in checksum.crcs.tolist()] == _crcs_of(buffer, chunk)
 
 
 def test_bytes_the_kernel_does_not_write_are_checksummed_from_memory():

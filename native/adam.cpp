@@ -245,7 +245,8 @@ void run_tiled(int isa, const AdamBuffers& b, const AdamConsts& c, int64_t begin
   ChunkCrcs::Writer param(crcs), exp_avg(crcs), exp_avg_sq(crcs), exp_avg_scale(crcs), exp_avg_sq_scale(crcs);
   for (int64_t lo = begin; lo < end; lo += kTile) {
     const int64_t hi = std::min(end, lo + kTile), n = hi - lo;
-    const int64_t first = lo / kQuantBlock, blocks = (hi - 1) / kQuantBlock + 1 - first;  // codes: lo is a block's start
+    // With codes, lo starts a block: the tile's scales are blocks [first, first + blocks).
+    const int64_t first = lo / kQuantBlock, blocks = (hi - 1) / kQuantBlock + 1 - first;
     if (k.exp_avg != nullptr) {  // read back only on a rollback: streamed past the cache
       if (k.param != nullptr) stream_copy_bytes(bytes(k.param, master, lo), bytes(b.param, master, lo), n * master);
       stream_copy_bytes(bytes(k.exp_avg, moment, lo), bytes(b.exp_avg, moment, lo), n * moment);

@@ -219,7 +219,8 @@ class BatchSizes:
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    # Note [batch sizes]: any two of these three give the third, as in DeepSpeed; read them through batch().
+    # Note [batch sizes]: any two of these three give the third, as in DeepSpeed (which, unlike here, wants at
+    # least one of train_batch_size and the micro batch); read them through batch().
     train_batch_size: int | None = _f(None, "micro batch x accumulation x world size; with one of those two, "
                                             "gives the other", ge=1)
     train_micro_batch_size_per_gpu: int | None = _f(None, "samples per forward on each rank (default: from "
@@ -338,18 +339,23 @@ class Config:
             from offload.zero import comm  # the process group, if any; config loading needs no torch.distributed
 
             world = comm.world()[1]
-        total, micro, steps = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        total, micro, steps = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                               self.gradient_accumulation_steps)
         if total is None:
             micro, steps = micro or 1, steps or 1
             return BatchSizes(micro * steps * world, micro, steps)
         if micro is None or steps is None:
-            known, name = (steps or 1, "gradient_accumulation_steps") if micro is None else \
-                (micro, "train_micro_batch_size_per_gpu")
+            if micro is None:
+                known = steps or 1
+                given, wanted = f"gradient_accumulation_steps {steps}" if steps else "no accumulation", \
+                    "train_micro_batch_size_per_gpu"
+            else:
+                known, given, wanted = micro, f"train_micro_batch_size_per_gpu {micro}", "gradient_accumulation_steps"
             derived, rest = divmod(total, known * world)
             if rest or not derived:
-                raise ConfigError(f"train_batch_size {total} is not a multiple of {name} {known} x world size "
-                                  f"{world}, so {'train_micro_batch_size_per_gpu' if micro is None else 'gradient_accumulation_steps'} "
-                                  f"cannot be derived from it; give train_batch_size as a multiple of {known * world}")
+                raise ConfigError(f"train_batch_size {total} is not a multiple of {given} x world size {world}, so "
+                                  f"{wanted} cannot be derived from it; give train_batch_size as a multiple of "
+                                  f"{known * world}")
             micro, steps = (derived, known) if micro is None else (micro, derived)
         if total != micro * steps * world:
             raise ConfigError(f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "

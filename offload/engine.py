@@ -87,8 +87,9 @@ class Engine:
         was built under ``offload.init`` (default: the module's reset_parameters).
         ``param_groups``: Note [parameter groups]."""
         if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"offload.initialize takes a torch.nn.Module, got {type(model).__name__}; for a Hugging "
-                             "Face model's name or directory, offload.from_pretrained(name, config) builds and loads it")
+            raise UsageError(f"offload.initialize takes a torch.nn.Module, got {type(model).__name__}; for a "
+                             "Hugging Face model's name or directory, offload.from_pretrained(name, config) builds "
+                             "and loads it")
         holder = _HELD.get(model, lambda: None)()
         if holder is not None and not holder._closed:
             raise UsageError("offload.initialize was given a model another engine still trains (its hooks and "
@@ -102,9 +103,9 @@ class Engine:
         for key in ("offload_optimizer", "offload_param"):
             section = getattr(config.zero_optimization, key)
             if section.device == "nvme" and not os.path.isdir(section.nvme_path or ""):
-                raise UsageError(f"zero_optimization.{key}.nvme_path {section.nvme_path!r} is not an existing directory; "
-                                 "create it, or point it at one (offload.initialize(model, config, nvme_path=DIR) "
-                                 "replaces every nvme_path of the config)")
+                raise UsageError(f"zero_optimization.{key}.nvme_path {section.nvme_path!r} is not an existing "
+                                 "directory; create it, or point it at one (offload.initialize(model, config, "
+                                 "nvme_path=DIR) replaces every nvme_path of the config)")
         self.schedule = schedule_of(config)
         # Before anything replaces a parameter: the groups name the user's own.
         self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(
@@ -619,8 +620,8 @@ class Engine:
         self.pending_micro_steps, self._window_ended = 0, False  # saved and restored between steps only
         if self.schedule is None and state.lr != self.optimizer.lr and self.rank == 0:
             warnings.warn(f"{LR_RESUMES} {state.lr:g}, not this engine's "
-                          f"{self.optimizer.lr:g} (optimizer.params.lr, or the last engine.lr set); set engine.lr after "
-                          "loading to train at another", UserWarning, stacklevel=4)
+                          f"{self.optimizer.lr:g} (optimizer.params.lr, or the last engine.lr set); set "
+                          "engine.lr after loading to train at another", UserWarning, stacklevel=4)
         self.optimizer.lr = state.lr if self.schedule is None else self.schedule.rate(self.applied_steps)
         self.scaler.load_state_dict(state.loss_scaler)
 

@@ -73,8 +73,9 @@ def test_batch_sizes_follow_deepspeed(given, world, expected):
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1,
      "train_batch_size 10 is not a multiple of train_micro_batch_size_per_gpu 4 x world size 1, so "
      "gradient_accumulation_steps cannot be derived"),
-    ({"train_batch_size": 6}, 4, "train_batch_size 6 is not a multiple of gradient_accumulation_steps 1 x world size 4"),
-    ({"train_batch_size": 2, "gradient_accumulation_steps": 4}, 1, "so train_micro_batch_size_per_gpu cannot be derived"),
+    ({"train_batch_size": 6}, 4, "train_batch_size 6 is not a multiple of no accumulation x world size 4"),
+    ({"train_batch_size": 2, "gradient_accumulation_steps": 4}, 1,
+     "of gradient_accumulation_steps 4 x world size 1, so train_micro_batch_size_per_gpu cannot be derived"),
 ])
 def test_batch_sizes_that_do_not_add_up_are_named(data, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", "\\(")):

@@ -181,7 +181,8 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
     if machine.nvme_free is not None:
         disk = (f", {machine.nvme_free / 1e9:.0f} GB free on NVMe reading {machine.read_gbps:.2f} and writing "
                 f"{machine.write_gbps:.2f} GB/s")
-    lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at {e.bytes_per_param:g} bytes each "
+    lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at "
+             f"{e.bytes_per_param:g} bytes each "
              f"(weights, gradients and optimizer state, in the config's dtypes); "
              f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "

@@ -92,10 +92,11 @@ def test_a_pass_that_keeps_the_old_state_still_checksums_what_it_wrote(name):
     _step(fmt, buffer, weights, grad, n, 2, steps=(1,))
     before, backup = buffer.clone(), torch.full_like(buffer, 7)
     master, exp_avg, exp_avg_sq = fmt.views(buffer, n, weights)
-    kept_master, kept_avg, kept_avg_sq = fmt.views(backup, n, weights)
+    old_master, old_avg, old_avg_sq = fmt.views(backup, n, weights)
     checksum = ChunkCrcs.of(buffer, chunk)
-    adam_step(master, grad, exp_avg, exp_avg_sq, HYPER, 2, threads=2, sr_key=11 if master.dtype == torch.bfloat16 else None,
-              checksum=checksum, backup=(None if fmt.master_in_weights else kept_master, kept_avg, kept_avg_sq))
+    sr_key = 11 if master.dtype == torch.bfloat16 else None
+    kept = (None if fmt.master_in_weights else old_master, old_avg, old_avg_sq)
+    adam_step(master, grad, exp_avg, exp_avg_sq, HYPER, 2, threads=2, sr_key=sr_key, checksum=checksum, backup=kept)
     assert torch.equal(backup, before) and torch.equal(buffer, plain)
     assert [c & 0xFFFFFFFF for c in checksum.crcs.tolist()] == _crcs_of(buffer, chunk)
 

@@ -245,8 +245,12 @@ def test_an_nvme_path_given_at_load_completes_a_config_naming_none():
     zero = Config.load(data, nvme_path="/scratch").zero_optimization
     assert zero.offload_optimizer.nvme_path == zero.offload_param.nvme_path == "/scratch"
     assert "nvme_path" not in data["zero_optimization"]["offload_param"]  # the caller's dict is unchanged
-    assert Config.load({"zero_optimization": {"stage": 2}}, nvme_path="/scratch").zero_optimization.offload_param.device == "none"
-    with warnings.catch_warnings():  # a section off nvme takes no path, so none is named as having no effect
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match="nvme_path='/scratch' has no effect here"):
+        assert Config.load({"zero_optimization": {"stage": 2}}, nvme_path="/scratch").zero_optimization.offload_param.device == "none"
+    with warnings.catch_warnings(record=True) as caught:  # a section off nvme takes no path: only the argument is named
+        warnings.simplefilter("always")
         cpu = Config.load({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, nvme_path="/scratch")
+    assert [str(w.message) for w in caught] == [
+        "offload: nvme_path='/scratch' has no effect here: no tier of this config is on nvme "
+        "(zero_optimization.offload_optimizer.device, offload_param.device)"]
     assert cpu.zero_optimization.offload_optimizer.nvme_path is None

@@ -2,7 +2,7 @@
 // Adam benchmark can state its speed as a fraction of what this machine's
 // memory delivers in the same run. Timing is done by the caller.
 //
-// Stores are non-temporal (SSE movntps, present on every x86-64 CPU): a plain
+// Stores are non-temporal (SSE2, present on every x86-64 CPU): a plain
 // store to a line not in cache first reads it (write-allocate), so STREAM's
 // byte count (one read + one write for copy) would understate the traffic and
 // the probe would report less than the memory delivers.
@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "parallel.h"
+#include "stream_store.h"
 
 using offload_native::fail;
 
@@ -33,9 +34,7 @@ int check(const char* what, const float* dst, const float* src, int64_t n, int t
 OFFLOAD_API int offload_stream_copy(float* dst, const float* src, int64_t n, int threads) {
   if (check("stream_copy", dst, src, n, threads) != 0) return -1;
   offload_native::parallel_ranges(n, threads, kMinPerThread, 4, [=](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + 4 <= end; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-    for (; i < end; ++i) dst[i] = src[i];
+    offload_native::stream_copy_bytes(dst + begin, src + begin, (end - begin) * sizeof(float));
     _mm_sfence();
   });
   return 0;

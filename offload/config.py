@@ -323,9 +323,8 @@ class Config:
             z, offload_optimizer=dataclasses.replace(z.offload_optimizer, nvme_path=path),
             offload_param=dataclasses.replace(z.offload_param, nvme_path=path)))
 
-    def batch(self, world: int | None = None) -> BatchSizes:
-        """Note [batch sizes] for ``world`` data-parallel ranks (default: the
-        process group's, else 1).
+    def batch(self, world: int) -> BatchSizes:
+        """Note [batch sizes] for ``world`` data-parallel ranks.
 
         Note [batch sizes]
         DeepSpeed's rule: with ``train_batch_size`` and one of the micro batch
@@ -335,10 +334,6 @@ class Config:
         unset micro batch or accumulation is 1. So a pasted DeepSpeed config
         accumulates as it did there. The engine never slices a batch: the
         micro batch only sizes ``offload train``'s batches, and is checked."""
-        if world is None:
-            from offload.zero import comm  # the process group, if any; config loading needs no torch.distributed
-
-            world = comm.world()[1]
         total, micro, steps = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                self.gradient_accumulation_steps)
         if total is None:

@@ -276,7 +276,7 @@ class Engine:
         # raised: speculation that took the window as complete is undone.
         if self._window_ended or self._backward_raised:
             self.update.reopen(self.times)
-        last = self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
+        last = self._next_backward_ends()
         self._next_ends = None
         if last:
             self._keep_changes_in_place()
@@ -326,11 +326,13 @@ class Engine:
         whether the last backward ended one that awaits its step.) An override
         by ``set_gradient_accumulation_boundary`` answers until the next
         backward, which it governs; DeepSpeed's holds until changed."""
-        if self._next_ends is not None:
-            return self._next_ends
-        if not self._stepped_since_backward:  # between a backward and its step()
+        if self._next_ends is None and not self._stepped_since_backward:  # between a backward and its step()
             return self._window_ended
-        return self.pending_micro_steps + 1 >= self.accumulation
+        return self._next_backward_ends()
+
+    def _next_backward_ends(self) -> bool:
+        """The next backward ends its accumulation window."""
+        return self.pending_micro_steps + 1 >= self.accumulation if self._next_ends is None else self._next_ends
 
     def gradient_accumulation_steps(self) -> int:
         """As in DeepSpeed (Note [batch sizes])."""

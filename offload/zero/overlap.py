@@ -21,8 +21,9 @@ on nvme in its swap file, the sub-group staying resident in one of
 ``buffer_count`` extra pool buffers and written back only if kept (a rollback
 just drops it); in host memory, as a copy (Note [state format]) that its
 Adam pass writes tile by tile before stepping each (Note [the old state kept
-in the pass], native/adam_args.h). At most ``buffer_count`` sub-groups are speculated per step,
-each also holding its new weights in a low-precision compute dtype (fp32
+in the pass], native/adam_args.h). At most ``buffer_count`` sub-groups are
+speculated per step, each also holding its new weights in a low-precision
+compute dtype (fp32
 weights are the master itself); the rest wait for ``step()``. When most
 recent steps rolled back (clipping binds, as early in training), speculation
 stops, once said, and is tried again every ``RETRY_EVERY`` steps.

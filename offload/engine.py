@@ -48,7 +48,7 @@ from offload.config import Config
 from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
-from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained
+from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained, write_torch_file
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
 from offload.schedule import schedule_of
@@ -568,9 +568,10 @@ class Engine:
         entries = dict((k, v.clone()) for k, v in self.full_weights(dtype, exclude_frozen_parameters))
         return {k: entries[k] for k in self.module.state_dict(keep_vars=True) if k in entries}
 
-    def export_plan(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """(key, dtype, shape) of what ``export`` writes, in its order."""
-        return export_plan(self.layout, self._keys(), self.state_entries().others, dtype)
+    def export_plan(self, dtype: torch.dtype,
+                    exclude_frozen_parameters: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(key, dtype, shape) of what ``full_weights`` yields, in its order."""
+        return export_plan(self.layout, self._keys(), self.other_entries(exclude_frozen_parameters), dtype)
 
     def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Write the consolidated weights (``dtype``: float32, bfloat16 or
@@ -587,6 +588,29 @@ class Engine:
         0 writes. Returns the files written (on rank 0)."""
         return write_pretrained(directory, self.export_plan(dtype), self.full_weights(dtype),
                                 model_configs(self.module), max_shard_bytes, write=self.rank == 0)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's call: the consolidated weights in the compute dtype (bf16
+        or fp16; fp32 when training in fp32), frozen parameters left out if
+        asked, to ``save_dir/save_filename``: a ``torch.save``d state dict in
+        the model's key order, or, for a name ending in ``.safetensors``, a
+        safetensors file streamed one parameter at a time. At stage 3 it always
+        gathers (DeepSpeed needs ``stage3_gather_16bit_weights_on_model_save``
+        for that). The file appears complete or not at all. Every rank must
+        call it; rank 0 writes. Returns True, as DeepSpeed does when it saved."""
+        save_dir = os.fspath(save_dir)
+        path = os.path.join(save_dir, save_filename)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+        if save_filename.endswith(".safetensors"):
+            write_safetensors(path, self.export_plan(self.dtype, exclude_frozen_parameters),
+                              self.full_weights(self.dtype, exclude_frozen_parameters), write=self.rank == 0)
+        else:
+            state = self.state_dict(self.dtype, exclude_frozen_parameters)
+            if self.rank == 0:
+                write_torch_file(path, state)
+        return True
 
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
 

@@ -15,6 +15,7 @@ that fails leaves the earlier one as it was, and the two never mix.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
@@ -120,3 +121,19 @@ def _saved_dtype(config: str, plan: Plan) -> str:
 def _write_atomic(path: str, data: bytes) -> None:
     write_synced(path + ".partial", data)
     os.replace(path + ".partial", path)
+
+
+def write_torch_file(path: str, state: dict[str, torch.Tensor]) -> None:
+    """``torch.save`` of ``state`` to ``path``, which appears complete or not at
+    all (written beside, synced, then renamed)."""
+    partial = path + ".partial"
+    try:
+        with open(partial, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise

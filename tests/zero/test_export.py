@@ -35,6 +35,39 @@ def test_export_equals_state_dict(tmp_path, stage, param_device, dtype):
     assert not os.path.exists(path + ".partial")
 
 
+@pytest.mark.parametrize("filename", ["pytorch_model.bin", "model.safetensors"])
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "nvme")])
+def test_save_16bit_model_writes_the_state_dict_in_the_compute_dtype(tmp_path, stage, param_device, filename):
+    """DeepSpeed's ``save_16bit_model``: the model's keys in its order, every
+    floating value the fp32 master rounded once to bf16."""
+    cfg = config(stage, "nvme", 1, str(tmp_path), param_device=param_device, bf16={"enabled": True})
+    model = make_model()
+    keys = list(model.state_dict())
+    with train_engine(model, 2, 1, cfg) as engine:
+        expected = engine.state_dict()
+        assert engine.save_16bit_model(str(tmp_path / "out"), filename) is True
+    path = tmp_path / "out" / filename
+    saved = read_safetensors(str(path)) if filename.endswith(".safetensors") else torch.load(path)
+    assert set(saved) == set(keys)
+    if filename.endswith(".bin"):
+        assert list(saved) == keys
+    for key, value in expected.items():
+        assert saved[key].dtype == torch.bfloat16 and torch.equal(saved[key], value.to(torch.bfloat16)), key
+    assert os.listdir(tmp_path / "out") == [filename]
+
+
+def test_save_16bit_model_leaves_frozen_parameters_out_if_asked(tmp_path):
+    model = make_model()
+    model.norm.weight.requires_grad_(False)
+    with train_engine(model, 1, 1, config(2, "cpu", 1)) as engine:
+        engine.save_16bit_model(str(tmp_path), "all.bin")
+        engine.save_16bit_model(str(tmp_path), "trained.safetensors", exclude_frozen_parameters=True)
+    assert "norm.weight" in torch.load(tmp_path / "all.bin")
+    trained = read_safetensors(str(tmp_path / "trained.safetensors"))
+    assert "norm.weight" not in trained and "norm.bias" in trained
+    assert trained["gain"].dtype == torch.float32  # fp32 training saves fp32, as DeepSpeed does
+
+
 def test_a_failed_export_leaves_no_file(tmp_path, monkeypatch):
     cfg = config(2, "cpu", 1)
     with train_engine(make_model(), 1, 1, cfg) as engine:

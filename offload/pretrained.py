@@ -7,15 +7,30 @@ The consolidated weights as safetensors, in shards of at most
 marked ``{"format": "pt"}``; beside them the model's ``config.json`` and
 ``generation_config.json`` when it has them. Weights stream one tensor at a
 time, as ``export`` does; each shard appears complete or not at all, and the
-index, written last, names only shards that are complete. A new save into a
-directory holding an earlier one writes its shards beside the old ones
-(``*.incoming``) and puts them in place only once all are written: a save
-that fails leaves the earlier one as it was, and the two never mix.
+index, written last, names only shards that are complete.
+
+Note [a save in place]
+A save into a directory holding an earlier one must leave, at every moment,
+one of the two whole, for a process killed anywhere. ``from_pretrained``
+reads ``model.safetensors`` when there is one, else the index. So the new
+shards are written beside the old (``*.incoming``) and renamed into place
+only once all are complete and synced; then:
+  - one file: its rename over ``model.safetensors`` switches atomically;
+  - shards: those of the earlier save whose names the new ones reuse (the
+    same shard count) are first hard-linked under ``.replaced-`` names and
+    its index pointed at those; the new shards take their names; the new
+    index's rename switches; a ``model.safetensors`` of the earlier save is
+    removed after it (until then it was what loaded).
+What the earlier save leaves unused goes last. The config files follow the
+weights, each renamed into place: a kill between the two leaves the new
+weights with the earlier config (the same model, its recorded dtype perhaps
+the old one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import itertools
 import json
@@ -25,12 +40,13 @@ from collections.abc import Iterable
 
 import torch
 
-from offload.checkpoint.format import write_synced
+from offload.checkpoint.format import fsync_dir, write_synced
 from offload.safetensors_file import nbytes, write_safetensors
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIGS = ("config.json", "generation_config.json")
+ASIDE = ".replaced-"  # an earlier save's shard, under this name while this save takes its own
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 
 Plan = list[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -82,24 +98,68 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
             if os.path.exists(path):
                 os.unlink(path)
         raise
-    if write:  # the earlier save's index first: from here on it cannot name a shard being replaced
-        for stale in [os.path.join(directory, INDEX), os.path.join(directory, WEIGHTS),
-                      *glob.glob(os.path.join(directory, "model-*-of-*.safetensors"))]:
-            if os.path.exists(stale):
-                os.unlink(stale)
-        for path, name in zip(incoming, names):
-            os.replace(path, os.path.join(directory, name))
     written = list(names)
-    if write and len(parts) > 1:
-        index = {"metadata": {"total_size": sum(nbytes(dtype, shape) for _, dtype, shape in plan)},
-                 "weight_map": {key: name for name, part in zip(names, parts) for key, _, _ in part}}
-        _write_atomic(os.path.join(directory, INDEX), json.dumps(index, indent=2).encode())
-        written.append(INDEX)
     if write:
+        index = None
+        if len(parts) > 1:
+            index = {"metadata": {"total_size": sum(nbytes(dtype, shape) for _, dtype, shape in plan)},
+                     "weight_map": {key: name for name, part in zip(names, parts) for key, _, _ in part}}
+            written.append(INDEX)
+        _put_in_place(directory, incoming, names, index)
         for name, text in configs.items():
             _write_atomic(os.path.join(directory, name), (_saved_dtype(text, plan) if name == CONFIGS[0] else text).encode())
             written.append(name)
     return written
+
+
+def _put_in_place(directory: str, incoming: list[str], names: list[str], index: dict | None) -> None:
+    """Note [a save in place]: ``incoming`` (complete, synced) become ``names``,
+    with ``index`` for shards, so that the directory loads either the earlier
+    save whole or this one whole at every moment, a killed process included."""
+    at = functools.partial(os.path.join, directory)
+    if index is None:
+        os.replace(incoming[0], at(WEIGHTS))
+    else:
+        _move_earlier_shards_aside(directory, set(names))
+        for path, name in zip(incoming, names):
+            os.replace(path, at(name))
+        fsync_dir(directory)
+        _write_atomic(at(INDEX), json.dumps(index, indent=2).encode())
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(at(WEIGHTS))
+    fsync_dir(directory)
+    stale = glob.glob(at("model-*-of-*.safetensors")) + glob.glob(at(ASIDE + "*")) + glob.glob(at("*.incoming"))
+    if index is None:
+        stale.append(at(INDEX))
+    for path in stale:
+        if os.path.basename(path) not in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _move_earlier_shards_aside(directory: str, taken: set[str]) -> None:
+    """The earlier save's shards that this one's names would replace, linked
+    under ``ASIDE`` names and its index pointed at those: the earlier model
+    stays whole while its names are reused."""
+    at = functools.partial(os.path.join, directory)
+    if os.path.exists(at(WEIGHTS)) or not os.path.exists(at(INDEX)):
+        return  # the earlier model, if any, is the single file, which no shard's name replaces
+    try:
+        with open(at(INDEX)) as f:
+            earlier = json.load(f)
+        weight_map = dict(earlier["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an index nothing can load from holds no model to keep
+    clash = taken & set(weight_map.values())
+    if not clash:
+        return
+    for name in clash:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(at(ASIDE + name))
+        os.link(at(name), at(ASIDE + name))
+    earlier["weight_map"] = {key: ASIDE + name if name in clash else name for key, name in weight_map.items()}
+    fsync_dir(directory)
+    _write_atomic(at(INDEX), json.dumps(earlier, indent=2).encode())
 
 
 def _saved_dtype(config: str, plan: Plan) -> str:

@@ -106,6 +106,89 @@ def test_a_save_that_fails_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatc
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
+class _Killed(BaseException):
+    """A process killed at a file-system call: no handler runs after it."""
+
+
+def _what_loads(directory) -> dict[str, torch.Tensor] | None:
+    """What ``from_pretrained`` reads: ``model.safetensors`` if present, else the
+    files the index names (transformers' modeling_utils, in that order); None
+    when there is neither."""
+    if os.path.exists(os.path.join(directory, WEIGHTS)):
+        return read_safetensors(os.path.join(directory, WEIGHTS))
+    if not os.path.exists(os.path.join(directory, INDEX)):
+        return None
+    with open(os.path.join(directory, INDEX)) as f:
+        weight_map = json.load(f)["weight_map"]
+    out = {}
+    for name in set(weight_map.values()):
+        part = read_safetensors(os.path.join(directory, name))
+        assert all(weight_map[key] == name for key in part)
+        out.update(part)
+    assert set(out) == set(weight_map)
+    return out
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(10, 10, generator=g) for i in range(6)}
+
+
+def _save(directory, state, max_shard_bytes):
+    plan = [(key, value.dtype, tuple(value.shape)) for key, value in state.items()]
+    return pretrained.write_pretrained(str(directory), plan, iter(state.items()), {"config.json": "{}"}, max_shard_bytes)
+
+
+# shard bytes: 10**9 one file; 1200, 3 shards (two tensors each); 500, 6 shards
+@pytest.mark.parametrize("earlier,later", [(10**9, 1200), (1200, 1200), (1200, 10**9), (1200, 500), (None, 1200)],
+                         ids=["file-to-shards", "same-shard-names", "shards-to-file", "other-shard-count", "new"])
+def test_a_save_killed_anywhere_leaves_one_whole_model(tmp_path, monkeypatch, earlier, later):
+    """Note [a save in place]: killed at each rename, link or unlink of a save
+    over an earlier one, the directory loads the earlier model or the new one,
+    whole; and the next save leaves only its own files."""
+    old, new = _weights(0), _weights(1)
+    calls = 0
+    real = {name: getattr(os, name) for name in ("replace", "unlink", "link")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == kill_at:
+                raise _Killed
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:
+        monkeypatch.setattr(os, name, counted(name))
+    kill_at, outcomes = 1, set()
+    while True:
+        directory = tmp_path / f"kill{kill_at}"
+        if earlier is not None:
+            kill_at_now, kill_at = kill_at, 0
+            _save(directory, old, earlier)
+            kill_at = kill_at_now
+        calls = 0
+        try:
+            _save(directory, new, later)
+        except _Killed:
+            loaded = _what_loads(directory)
+        else:
+            break
+        if loaded is None:
+            assert earlier is None, f"killed at file-system call {kill_at}: the earlier save is gone"
+        else:
+            match = [label for label, state in (("old", old), ("new", new))
+                     if set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)]
+            assert match, f"killed at file-system call {kill_at}: the directory loads neither save whole"
+            outcomes.add(match[0])
+        kill_at += 1
+    assert outcomes == ({"old", "new"} if earlier is not None else {"new"})
+    kill_at = 0
+    files = _save(directory, new, later)
+    assert sorted(os.listdir(directory)) == sorted(files)
+
+
 SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]
 
 

@@ -33,6 +33,17 @@ the main thread hands it gradient parts and waits for it in ``step()``, or
 before it reads the state between backward and ``step()`` (a state dict),
 which undoes the speculation, or reads only counters (a report), which does not.
 
+Note [a gradient that comes twice]
+A weight used in two segments of reentrant activation checkpointing gets its
+gradient twice in one backward, so its bucket is reduced twice (the plain
+step just adds both parts). A sub-group is complete once every bucket meeting
+it was reduced at least once, so the second part may reach one the worker
+has already taken: its landing, sum of squares and speculated step all miss
+that part. So a bucket reduced again first waits for the worker (nothing
+else then writes that range), forgets the sums taken, and speculates no
+more; ``step()`` rolls back what was speculated and runs the plain step,
+which counts as a rollback.
+
 Note [worker priority]
 On Linux the worker runs at nice ``WORKER_NICE`` above the process (the
 OpenMP threads it starts for the CPU Adam inherit it). When backward computes
@@ -112,6 +123,8 @@ class OverlappedStep:
         self.worker_seconds = 0.0  # the last step's work on the worker (for offload bench step)
         self.join_seconds = 0.0  # how long step() waited for it
         self._told = False
+        self._seen: set[tuple[int, int]] = set()  # the bucket parts reduced in this backward
+        self._spoiled = False  # Note [a gradient that comes twice]
 
     in_flight = ahead = False  # between steps nothing runs; a speculated step is undone before anyone looks
 
@@ -123,6 +136,7 @@ class OverlappedStep:
         self._active = True
         self._guess, self._hyper = guess, self.optimizer.hyper
         self._left = dict(self._meets)
+        self._seen, self._spoiled = set(), False
         self._sums = {}
         self.worker_seconds = self.join_seconds = 0.0
         self._speculating = self._paused_at is None or (step - self._paused_at) % RETRY_EVERY == 0
@@ -131,15 +145,26 @@ class OverlappedStep:
 
     def reduced(self, lo: int, hi: int) -> None:
         """A bucket's part [lo, hi) was added into the owned gradient (main thread)."""
-        if not self._active:
+        if not self._active or lo == hi:
             return
+        if (lo, hi) in self._seen:
+            self._spoil()
+            return
+        self._seen.add((lo, hi))
         for i, _, _, _ in sorted(self.optimizer.groups.meeting(lo, hi), reverse=True):  # backward's order: downwards
             self._left[i] -= 1
             if self._left[i] == 0:
                 g_lo, g_hi = self.optimizer.groups[i]
                 landing = self.gradient.take_landing(g_lo, g_hi)
-                bases = self._bases_for(g_lo, g_hi) if self._speculating and len(self._tasks) < self.budget else None
+                speculate = self._speculating and not self._spoiled and len(self._tasks) < self.budget
+                bases = self._bases_for(g_lo, g_hi) if speculate else None
                 self._tasks.append(self._worker.submit(self._complete, i, landing, bases))
+
+    def _spoil(self) -> None:
+        """Note [a gradient that comes twice]."""
+        self._join()
+        self._spoiled = True
+        self._sums.clear()
 
     def _bases_for(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers for a speculated sub-group [lo, hi): its state's copy (cpu) and
@@ -216,7 +241,8 @@ class OverlappedStep:
         """Keep the speculated sub-groups if the plain step would have computed
         them alike, else roll them back; then step the rest."""
         self._join()
-        kept = self._stepped if multiplier == self._guess and self.optimizer.hyper == self._hyper else {}
+        same = multiplier == self._guess and self.optimizer.hyper == self._hyper and not self._spoiled
+        kept = self._stepped if same else {}
         if self._stepped and not kept:
             self._roll_back()
         self.kept += len(kept)
@@ -258,8 +284,9 @@ class OverlappedStep:
             if not self._told:
                 self._told = True
                 warnings.warn(f"offload: overlap_step rolled back most of the last {WINDOW} steps (gradient clipping "
-                              f"binds, or fp16 overflows); the step now runs after backward, as without overlap, and "
-                              f"speculation is tried again every {RETRY_EVERY} steps", UserWarning, stacklevel=4)
+                              f"binds, fp16 overflows, or a gradient came twice in one backward); the step now runs "
+                              f"after backward, as without overlap, and speculation is tried again every "
+                              f"{RETRY_EVERY} steps", UserWarning, stacklevel=4)
 
     def _recycle(self) -> None:
         self._spare.extend(self._bases.values())

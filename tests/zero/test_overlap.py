@@ -4,6 +4,7 @@ rolled back otherwise, so the training is bitwise the plain one in every case:
 clipping that binds or not, accumulation, fp16 overflow, a learning rate set
 after backward, stages 2 and 3, cpu and nvme, world sizes 1 and 2."""
 
+import concurrent.futures
 import itertools
 import os
 import sys
@@ -17,8 +18,9 @@ import offload
 from offload import _native
 from offload.optim.grad_stats import sum_squares
 from offload.zero import overlap
+from offload.zero.grads import GradientReducer
 
-from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
+from .harness import (TinyLM, batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
                       train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -195,6 +197,46 @@ def test_the_worker_and_its_adam_threads_run_below_backward(tmp_path):
     started_there = {tid: nice for tid, nice in _nice_of_threads().items() if tid not in nices}
     assert len(started_there) >= 1 and set(started_there.values()) == {lowered}, started_there
     engine.close()
+
+
+class _Reentrant(TinyLM):
+    """blocks[0] runs in two reentrant checkpointed segments: its weights get
+    their gradient twice in one backward, so their bucket is reduced twice."""
+
+    def _block(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("stage,device", [(2, "cpu"), (2, "nvme"), (3, "cpu")])
+@pytest.mark.parametrize("clip", [0.5, 1e6])
+def test_a_gradient_that_comes_twice_rolls_back_to_the_plain_step(tmp_path, monkeypatch, stage, device, clip):
+    """Note [a gradient that comes twice]. Each reduction first waits for the
+    worker to finish what it was given, so a sub-group taken before its
+    second part arrives would be summed and stepped without it."""
+    engines = []
+    real = GradientReducer._reduce
+
+    def after_the_worker(self, bucket, full):
+        if engines and isinstance(engines[-1].update, overlap.OverlappedStep):
+            concurrent.futures.wait(engines[-1].update._tasks)
+        real(self, bucket, full)
+
+    monkeypatch.setattr(GradientReducer, "_reduce", after_the_worker)
+    results = []
+    for overlap_step in (False, True):
+        torch.manual_seed(0)
+        engines.append(offload.initialize(_Reentrant(), _config(tmp_path, stage, device, 1, clip, overlap_step)))
+        for step in range(STEPS):
+            engines[-1].backward(engines[-1](batch(step, 0, 0)))
+            engines[-1].step()
+        results.append(engines[-1].state_dict())
+    torch.manual_seed(0)
+    ref = train_reference(_Reentrant(), STEPS, 1, 1, _config(tmp_path, stage, device, 1, clip, False))
+    assert all(torch.equal(results[1][k], results[0][k]) for k in results[0])
+    assert max_difference(results[1], ref) < 1e-5
+    assert engines[1].update.rollbacks == STEPS and engines[1].update.kept == 0
+    for engine in engines:
+        engine.close()
 
 
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:

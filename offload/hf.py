@@ -26,7 +26,8 @@ DeepSpeed:
     an fp16 overflow leaves the rate where it was. Clipping
     (``max_grad_norm``) is the engine's, from the config;
   - a Trainer checkpoint holds an engine checkpoint (``offload/`` inside
-    ``checkpoint-N``) beside the scheduler, RNG and trainer state, so
+    ``checkpoint-N``, ``offload.next/`` when written again: ``latest`` names
+    it) beside the scheduler, RNG and trainer state, so
     ``resume_from_checkpoint`` restores every bit of the training state, and
     the consolidated weights with ``config.json``, which ``from_pretrained``
     reads. For a PEFT model, as the Trainer has DeepSpeed do: the adapter
@@ -60,6 +61,7 @@ from collections.abc import Callable
 import torch
 
 import offload
+from offload.checkpoint.format import LATEST
 from offload.config import Config
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
@@ -72,7 +74,9 @@ try:
 except ImportError as e:  # the [hf] extra
     raise ImportError("offload.hf needs transformers: pip install -e .[hf]") from e
 
-ENGINE_CHECKPOINT = "offload"  # the engine checkpoint's directory inside a Trainer checkpoint
+# The engine checkpoint's directory inside a Trainer checkpoint, and the one it takes when that
+# checkpoint is written again; `latest` names the complete one.
+ENGINE_CHECKPOINTS = ("offload", "offload.next")
 SCHEDULER_FILE = "scheduler.pt"  # the name Trainer uses, so its own tools find it
 EXACT_ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values that are plain AdamW
 
@@ -226,6 +230,14 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the engine consumes gradients as backward makes them."""
+
+
+def _latest_tag(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, LATEST)) as f:
+            return f.read().strip()
+    except OSError:  # no checkpoint there
+        return None
 
 
 class AppliedStepsSchedule(torch.optim.lr_scheduler.LRScheduler):
@@ -416,30 +428,25 @@ class OffloadTrainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # A run resumed from an earlier checkpoint writes checkpoint-N again: as the Trainer
-        # replaces its own files there, the engine checkpoint is replaced, the earlier one
-        # kept aside until the new one is complete.
-        earlier, aside = (os.path.join(output_dir, name) for name in (ENGINE_CHECKPOINT, f".{ENGINE_CHECKPOINT}.replaced"))
-        if self.engine.rank == 0 and os.path.isdir(earlier):
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(earlier, aside)
-        try:
-            # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
-            self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
-                                        exclude_frozen_parameters=is_peft_model(self.model))
-        except BaseException:
-            if self.engine.rank == 0 and os.path.isdir(aside) and not os.path.exists(earlier):
-                os.replace(aside, earlier)
-            raise
+        # A run resumed from an earlier checkpoint writes checkpoint-N again. The engine
+        # checkpoint there is never replaced in place: the new one takes the other of the two
+        # tags, `latest` switches to it as it completes, and only then does the earlier go, so
+        # a process killed at any point leaves `latest` naming a complete one.
+        earlier = _latest_tag(output_dir)
+        tag = ENGINE_CHECKPOINTS[1] if earlier == ENGINE_CHECKPOINTS[0] else ENGINE_CHECKPOINTS[0]
         if self.engine.rank == 0:
-            shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(os.path.join(output_dir, tag), ignore_errors=True)  # not the latest: a stale one
+        # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
+        self.engine.save_checkpoint(output_dir, tag=tag, exclude_frozen_parameters=is_peft_model(self.model))
+        if self.engine.rank == 0 and earlier in ENGINE_CHECKPOINTS:
+            shutil.rmtree(os.path.join(output_dir, earlier), ignore_errors=True)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine checkpoint (``_load_optimizer_and_scheduler``)."""
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
-            raise CheckpointError(f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINT}/): "
+        if _latest_tag(resume_from_checkpoint) not in ENGINE_CHECKPOINTS:
+            raise CheckpointError(f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINTS[0]}/): "
                                   "resume from a checkpoint an OffloadTrainer saved")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -447,7 +454,7 @@ class OffloadTrainer(transformers.Trainer):
             return
         with warnings.catch_warnings():  # the Trainer's scheduler, loaded next, sets the rate
             warnings.filterwarnings("ignore", message=re.escape(LR_RESUMES))
-            self.engine.load_checkpoint(checkpoint, tag=ENGINE_CHECKPOINT)
+            self.engine.load_checkpoint(checkpoint)  # the tag `latest` names
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
         for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
             group["lr"] = lr

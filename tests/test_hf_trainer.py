@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip inst
 from offload.hf import OffloadTrainer, resolve_config  # noqa: E402
 
 from . import hf_trainer_main as run  # noqa: E402
+from .kill_points import Killed, KillPoints  # noqa: E402
 
 TOLERANCE = 1e-4  # relative, on each logged loss; measured: about 2e-7
 
@@ -159,14 +161,45 @@ def test_resuming_from_an_earlier_checkpoint_of_the_same_run_writes_the_later_on
     """As plain Trainer: checkpoint-20 exists when the run resumed from checkpoint-10 reaches step 20."""
     whole = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme1"), save_steps=10)
     whole.engine.close()
-    later = tmp_path / "run" / "checkpoint-20" / "offload"
-    first = later.stat().st_mtime_ns
+    later = tmp_path / "run" / "checkpoint-20"
+    assert (later / "latest").read_text() == "offload"
     resumed = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme2"), save_steps=10,
                         resume=str(tmp_path / "run" / "checkpoint-10"))
     resumed.engine.close()
     assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
-    assert later.stat().st_mtime_ns != first and sorted(os.listdir(later.parent)).count("offload") == 1
-    assert not [name for name in os.listdir(later.parent) if name.startswith(".")]
+    assert (later / "latest").read_text() == "offload.next" and not (later / "offload").exists()
+    assert not [name for name in os.listdir(later) if name.startswith(".")]
+
+
+def test_a_checkpoint_written_again_and_killed_anywhere_keeps_one_complete(tmp_path, monkeypatch):
+    """Writing checkpoint-N again (a run resumed from an earlier checkpoint
+    reaching N), killed at each rename, replace or tree removal: `latest` still
+    names a complete engine checkpoint, which a resumed run loads."""
+    trainer = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme1"), save_steps=20)
+    directory = str(tmp_path / "run" / "checkpoint-20")
+    kill = KillPoints(monkeypatch, [(os, "rename"), (os, "replace"), (shutil, "rmtree")])
+    killed = 0
+    while True:
+        kill.arm(killed + 1)
+        try:
+            trainer._save_optimizer_and_scheduler(directory)
+        except Killed:
+            killed += 1
+            manifest = offload.checkpoint.read_manifest(offload.checkpoint.resolve(directory))
+            assert manifest.training.global_steps == 20, killed
+        else:
+            break
+    assert killed >= 4
+    kill.arm(0)
+    assert sorted(os.listdir(directory)).count("offload") + sorted(os.listdir(directory)).count("offload.next") == 1
+    expected = trainer.engine.state_dict()
+    trainer.engine.close()
+    resumed = run.train(str(tmp_path / "again"), 2, nvme=str(tmp_path / "nvme2"), resume=directory)
+    assert resumed.state.global_step >= 20
+    resumed.engine.load_checkpoint(directory)
+    loaded = resumed.engine.state_dict()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    resumed.engine.close()
 
 
 def test_a_peft_model_trains_saves_its_adapter_and_resumes(tmp_path):

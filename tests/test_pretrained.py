@@ -28,6 +28,7 @@ from offload import pretrained
 from offload.pretrained import INDEX, WEIGHTS, shards
 from offload.safetensors_file import read_safetensors, write_safetensors
 
+from .kill_points import Killed, KillPoints
 from .zero.harness import batch, config, finish_rank, init_gloo, make_model, spawn_ranks
 
 
@@ -106,10 +107,6 @@ def test_a_save_that_fails_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatc
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
-class _Killed(BaseException):
-    """A process killed at a file-system call: no handler runs after it."""
-
-
 def _what_loads(directory) -> dict[str, torch.Tensor] | None:
     """What ``from_pretrained`` reads: ``model.safetensors`` if present, else the
     files the index names (transformers' modeling_utils, in that order); None
@@ -147,44 +144,30 @@ def test_a_save_killed_anywhere_leaves_one_whole_model(tmp_path, monkeypatch, ea
     over an earlier one, the directory loads the earlier model or the new one,
     whole; and the next save leaves only its own files."""
     old, new = _weights(0), _weights(1)
-    calls = 0
-    real = {name: getattr(os, name) for name in ("replace", "unlink", "link")}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            nonlocal calls
-            calls += 1
-            if calls == kill_at:
-                raise _Killed
-            return real[name](*args, **kwargs)
-        return call
-
-    for name in real:
-        monkeypatch.setattr(os, name, counted(name))
-    kill_at, outcomes = 1, set()
+    kill = KillPoints(monkeypatch, [(os, "replace"), (os, "unlink"), (os, "link")])
+    at, outcomes = 1, set()
     while True:
-        directory = tmp_path / f"kill{kill_at}"
+        directory = tmp_path / f"kill{at}"
         if earlier is not None:
-            kill_at_now, kill_at = kill_at, 0
+            kill.arm(0)
             _save(directory, old, earlier)
-            kill_at = kill_at_now
-        calls = 0
+        kill.arm(at)
         try:
             _save(directory, new, later)
-        except _Killed:
+        except Killed:
             loaded = _what_loads(directory)
         else:
             break
         if loaded is None:
-            assert earlier is None, f"killed at file-system call {kill_at}: the earlier save is gone"
+            assert earlier is None, f"killed at file-system call {at}: the earlier save is gone"
         else:
             match = [label for label, state in (("old", old), ("new", new))
                      if set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)]
-            assert match, f"killed at file-system call {kill_at}: the directory loads neither save whole"
+            assert match, f"killed at file-system call {at}: the directory loads neither save whole"
             outcomes.add(match[0])
-        kill_at += 1
+        at += 1
     assert outcomes == ({"old", "new"} if earlier is not None else {"new"})
-    kill_at = 0
+    kill.arm(0)
     files = _save(directory, new, later)
     assert sorted(os.listdir(directory)) == sorted(files)
 

@@ -23,7 +23,7 @@ import torch
 
 import offload
 from offload.cli import main
-from offload.errors import UsageError
+from offload.errors import CheckpointError, UsageError
 from offload import pretrained
 from offload.pretrained import INDEX, WEIGHTS, shards
 from offload.safetensors_file import read_safetensors, write_safetensors
@@ -414,6 +414,27 @@ def test_from_pretrained_loads_what_the_engine_trained(tmp_path, build):
         assert loaded.dtype == torch.bfloat16, directory
         state = loaded.state_dict()
         assert all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in trained.items()), directory
+
+
+@needs_hf
+def test_an_export_refuses_a_checkpoints_damaged_or_missing_config(tmp_path):
+    """The config files a checkpoint keeps carry their CRC-32 in its manifest:
+    a changed value (a rope_theta, a vocabulary size) is not copied into the
+    exported model."""
+    with _engine(_gpt2()) as engine:
+        _train(engine)
+        saved = engine.save_checkpoint(str(tmp_path / "ckpt"))
+    config = os.path.join(saved, "config.json")
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "good")]) == 0
+    text = open(config).read()
+    with open(config, "w") as f:
+        f.write(text.replace('"n_layer": 2', '"n_layer": 3'))
+    with pytest.raises(CheckpointError, match="config.json: fails its checksum"):
+        offload.checkpoint.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "bad"), torch.float32)
+    os.unlink(config)
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        offload.checkpoint.export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "bad"), torch.float32)
+    assert not os.path.exists(tmp_path / "bad" / "config.json")
 
 
 _LOAD_SCRIPT = """

@@ -12,6 +12,7 @@ without its frozen parameters is refused: its export would not be the model.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -84,9 +85,23 @@ def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | No
     directory = resolve(path, tag)
     manifest = read_manifest(directory)
     plan, tensors = consolidated(directory, manifest, dtype)
+    return manifest, write_pretrained(out_dir, plan, tensors, _kept_configs(directory, manifest), max_shard_bytes)
+
+
+def _kept_configs(directory: str, manifest: Manifest) -> dict[str, str]:
+    """The config files the checkpoint kept, each checked against the CRC-32
+    its manifest records (a manifest from before the record: as found)."""
     configs = {}
     for name in CONFIGS:
-        if os.path.exists(os.path.join(directory, name)):
-            with open(os.path.join(directory, name)) as f:
-                configs[name] = f.read()
-    return manifest, write_pretrained(out_dir, plan, tensors, configs, max_shard_bytes)
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            if name in manifest.configs:
+                raise CheckpointError(f"{path}: missing; the checkpoint is damaged, load an earlier one") from None
+            continue
+        if name in manifest.configs and zlib.crc32(data) != manifest.configs[name]:
+            raise CheckpointError(f"{path}: fails its checksum; the checkpoint is damaged, load an earlier one")
+        configs[name] = data.decode()
+    return configs

@@ -95,6 +95,9 @@ class Manifest:
     lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)
     betas: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     eps: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The CRC-32 of each Hugging Face config file kept beside (export --hf
+    # copies them), by name; absent from manifests written before it existed.
+    configs: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import shutil
+import zlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -130,6 +131,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
             shutil.rmtree(partial, ignore_errors=True)
         raise
     rngs = _agree(rng.capture, True)
+    configs = model_configs(engine.module)
     groups = _groups_by_name(engine)
     manifest = Manifest(
         format=FORMAT, tag=tag, world_size=engine.world, owned=engine.layout.owned,
@@ -142,8 +144,9 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         lr_scale={name: group.lr_scale for name, group in groups.items()},
         betas={name: list(group.betas) for name, group in groups.items()},
         eps={name: group.eps for name, group in groups.items()},
+        configs={name: zlib.crc32(text.encode()) for name, text in configs.items()},
     )
-    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, model_configs(engine.module))
+    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, configs)
     return final
 
 

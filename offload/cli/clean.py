@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from offload.cli.args import existing_directory
 from offload.store import run_dirs
@@ -21,11 +22,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = run_dirs.stale(args.nvme_path) if args.dry_run else run_dirs.remove_stale(args.nvme_path)
+    if args.dry_run:
+        found, left = run_dirs.stale(args.nvme_path), []
+    else:
+        found, left = run_dirs.remove_stale(args.nvme_path)
     verb = "would remove" if args.dry_run else "removed"
     for s in found:
         print(f"{verb} {s.path} ({s.nbytes / 2**20:,.1f} MiB; {s.why})")
+    for s, error in left:
+        print(f"could not remove {s.path} ({s.why}): {error}", file=sys.stderr)
     total = sum(s.nbytes for s in found)
     print(f"offload clean: {verb} {len(found)} run director{'y' if len(found) == 1 else 'ies'} "
-          f"({total / 2**20:,.1f} MiB) in {os.path.abspath(args.nvme_path)}")
-    return 0
+          f"({total / 2**20:,.1f} MiB) in {os.path.abspath(args.nvme_path)}"
+          + (f"; {len(left)} could not be removed" if left else ""))
+    return 1 if left else 0

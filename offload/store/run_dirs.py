@@ -5,9 +5,10 @@ Each store with an NVMe tier keeps its swap files in a directory of its own,
 ``offload-run-*`` in ``nvme_path``, and writes ``owner.json`` there first: the
 host, the pid and the process's start time (a pid alone is reused). A
 directory is *stale* when its owner ran on this host and is gone (no such
-pid, or one started at another time), or, with no readable owner file, when
-it is over a minute old (a directory being made has none for an instant). A directory
-whose owner is alive, or ran on another host, is never touched. SIGKILL, an
+pid, or one started at another time), or, with no owner file or a partial
+one, when it is over a minute old (a directory being made has none for an
+instant). A directory whose owner is alive, ran on another host, or cannot
+be read (another user's) is never touched. SIGKILL, an
 out-of-memory kill or a power cut leave stale directories behind; the next
 store made in the same ``nvme_path`` warns about them with their size, and
 ``offload clean --nvme-path DIR`` removes them.
@@ -73,9 +74,14 @@ def _owner_gone(path: str) -> str | None:
         with open(os.path.join(path, OWNER)) as f:
             owner = json.load(f)
         host, pid, started = owner["host"], int(owner["pid"]), float(owner["started"])
-    except (OSError, ValueError, KeyError, TypeError):  # none, or one being written
-        age = time.time() - os.stat(path).st_mtime
+    except (FileNotFoundError, ValueError, KeyError, TypeError):  # none, or one being written
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except FileNotFoundError:
+            return None  # removed meanwhile
         return f"no owner recorded, {age:.0f} s old" if age > OWNERLESS_GRACE_S else None
+    except OSError:
+        return None  # an owner file this process may not read (another user's): nothing says it is gone
     if host != socket.gethostname():
         return None  # another machine's: its processes cannot be seen from here
     try:
@@ -108,12 +114,20 @@ def stale(nvme_path: str) -> list[Stale]:
     return found
 
 
-def remove_stale(nvme_path: str) -> list[Stale]:
-    """Remove the stale run directories in ``nvme_path``; the ones removed."""
-    gone = stale(nvme_path)
-    for s in gone:
-        shutil.rmtree(s.path, ignore_errors=True)
-    return gone
+def remove_stale(nvme_path: str) -> tuple[list[Stale], list[tuple[Stale, str]]]:
+    """Remove the stale run directories in ``nvme_path``: those removed, and
+    those left (in part or whole) with the error that stopped the removal."""
+    removed, left = [], []
+    for s in stale(nvme_path):
+        try:
+            shutil.rmtree(s.path)
+        except FileNotFoundError:
+            pass  # removed meanwhile
+        except OSError as e:
+            left.append((s, f"{e.filename}: {e.strerror}"))
+            continue
+        removed.append(s)
+    return removed, left
 
 
 _warned: set[str] = set()

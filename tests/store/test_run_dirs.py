@@ -55,7 +55,7 @@ def test_clean_removes_what_a_killed_process_left_and_never_a_live_ones(tmp_path
     finally:
         alive.kill()
         alive.wait()
-    assert [s.path for s in run_dirs.remove_stale(str(tmp_path))] == [alive_dir]  # now it is gone too
+    assert [s.path for s in run_dirs.remove_stale(str(tmp_path))[0]] == [alive_dir]  # now it is gone too
     assert os.listdir(tmp_path) == []
 
 
@@ -76,6 +76,45 @@ def test_another_hosts_directory_is_never_stale(tmp_path):
     past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
     os.utime(other, (past, past))
     assert run_dirs.stale(str(tmp_path)) == []
+
+
+def test_an_owner_file_this_process_may_not_read_is_not_stale(tmp_path, monkeypatch):
+    """Another user's run: its owner.json is 0600, so it cannot be read here,
+    which says nothing about whether its owner is gone."""
+    theirs = tmp_path / "offload-run-theirs"
+    theirs.mkdir()
+    (theirs / "owner.json").write_text("{}")
+    past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
+    os.utime(theirs, (past, past))
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(run_dirs, "open", refuse, raising=False)
+    assert run_dirs.stale(str(tmp_path)) == []
+
+
+def test_clean_says_what_it_could_not_remove_and_fails(tmp_path, monkeypatch, capsys):
+    left, removed = tmp_path / "offload-run-left", tmp_path / "offload-run-removed"
+    for directory in (left, removed):
+        directory.mkdir()
+        (directory / "swap").write_bytes(b"x" * 4096)
+        past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
+        os.utime(directory, (past, past))
+    real = run_dirs.shutil.rmtree
+
+    def refuse_one(path, *args, **kwargs):
+        if path == str(left):
+            raise PermissionError(13, "Permission denied", os.path.join(path, "swap"))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_dirs.shutil, "rmtree", refuse_one)
+    assert main(["clean", "--nvme-path", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"removed {removed} " in out and f"removed {left} " not in out
+    assert "removed 1 run directory" in out and "1 could not be removed" in out
+    assert f"could not remove {left} " in err and f"{left}/swap: Permission denied" in err
+    assert os.path.isdir(left) and not os.path.exists(removed)
 
 
 def test_a_closed_store_leaves_nothing_and_a_reused_pid_is_not_its_owner(tmp_path):

@@ -179,7 +179,9 @@ def _agree(action, acting: bool, *args):
 def _prepare(save_dir: str, final: str, partial: str) -> None:
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists; checkpoints are never overwritten: pass another tag or remove it")
-    os.makedirs(save_dir, exist_ok=True)
+    if not os.path.isdir(save_dir):
+        os.makedirs(save_dir)
+        fsync_dir(os.path.dirname(os.path.abspath(save_dir)))  # the new directory's own entry, durable
     shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
     os.mkdir(partial)
 
@@ -226,14 +228,18 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
         write_synced(os.path.join(partial, MANIFEST), encode_manifest(manifest))
         fsync_dir(partial)
         os.rename(partial, final)
-        fsync_dir(save_dir)
-        latest = os.path.join(save_dir, LATEST)
-        write_synced(latest + ".partial", manifest.tag.encode())
-        os.replace(latest + ".partial", latest)
-        fsync_dir(save_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    latest = os.path.join(save_dir, LATEST)
+    try:
+        fsync_dir(save_dir)
+        write_synced(latest + ".partial", manifest.tag.encode())
+        os.replace(latest + ".partial", latest)
+        fsync_dir(save_dir)
+    except OSError as exc:  # the checkpoint stands: say so, rather than call it failed
+        raise StorageError(exc.errno, f"{final} is complete, but {latest} could not be made to name it "
+                           f"({exc.strerror}); load it with tag={manifest.tag!r}") from None
 
 
 def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, dict]:

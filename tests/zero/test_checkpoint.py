@@ -17,6 +17,7 @@ import torch
 import offload
 from offload import _native, checkpoint
 from offload.checkpoint import format as ckpt_format
+from offload.checkpoint import save_load
 from offload.cli import main
 from offload.safetensors_file import read_safetensors
 
@@ -177,6 +178,31 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with offload.initialize(model(), case_config(2, "cpu", None, None)) as fresh:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
         assert fresh.global_steps == 1
+
+
+def test_a_save_whose_latest_cannot_be_written_says_the_checkpoint_stands(tmp_path, monkeypatch):
+    """The checkpoint is complete once its directory has its name; a full disk
+    when `latest` is written next must not call it failed (a retry with its
+    tag would be refused: it exists)."""
+    engine = saved(tmp_path, tags=("a",))
+    real = save_load.write_synced
+
+    def full_at_latest(path, data):
+        if path.endswith("latest.partial"):
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(save_load, "write_synced", full_at_latest)
+    run(engine, [1])
+    final = str(tmp_path / "ckpt" / "b")
+    with pytest.raises(OSError, match=rf"{final} is complete, but .*latest could not be made to name it "
+                                      rf"\(No space left on device\); load it with tag='b'"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "b")
+    engine.close()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "a"
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "ckpt"), "b")
+        assert fresh.global_steps == 2
 
 
 _KILLED_SAVE = """

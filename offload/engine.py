@@ -283,7 +283,11 @@ class Engine:
         if last and not self.update.in_flight:
             self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
         self._backward_raised = True  # until it returns
-        (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
+        self.reducer.in_backward = True
+        try:
+            (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
+        finally:
+            self.reducer.in_backward = False
         self._backward_raised = False
         self._end_backward()
         if self.config.zero_optimization.stage == 3:

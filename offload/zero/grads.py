@@ -85,6 +85,7 @@ class GradientReducer:
         self.seconds = 0.0  # spent reducing and adding into the owned gradient, for the step breakdown
         self.peak_bucket_bytes = self._flat.numel() * self._flat.element_size() if self._flat is not None else 0
         self._hooks = []
+        self.in_backward = False  # the engine's backward is under way: gradients may come
 
     def install(self) -> None:
         """Register the gradient hooks: after the parameters are final objects
@@ -93,6 +94,11 @@ class GradientReducer:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]
+        if not self.in_backward:
+            param.grad = None  # not kept for the next backward to add to
+            raise UsageError(f"{slot.name} got a gradient outside engine.backward (loss.backward()?): the engine "
+                             "scales the loss, and reduces and steps gradients only in its own backward; call "
+                             "engine.backward(loss) in place of loss.backward()")
         if self.ordered:
             if slot.offset in self._fired:
                 raise UsageError(

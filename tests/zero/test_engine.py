@@ -420,6 +420,24 @@ def test_windows_of_any_length_when_the_loop_says_where_they_end(tmp_path, stage
     engine.close()
 
 
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "cpu")])
+def test_loss_backward_in_place_of_engine_backward_is_refused_and_leaks_nothing(stage, param_device):
+    """The plain-PyTorch habit: the gradient would be neither scaled nor
+    stepped, and would join the next window; refused at the first gradient,
+    and training goes on as if that backward had never run."""
+    cfg = config(stage, "cpu", 1, param_device=param_device)
+    engine = offload.initialize(make_model(), cfg)
+    with pytest.raises(UsageError, match=r"got a gradient outside engine.backward \(loss.backward\(\)\?\).*"
+                                         r"call engine.backward\(loss\) in place of loss.backward\(\)"):
+        engine(batch(9, 0, 0)).backward()
+    for step in range(2):
+        engine.backward(engine(batch(step, 0, 0)))
+        engine.step()
+    ref = train_reference(make_model(), 2, 1, 1, cfg)
+    assert engine.global_steps == 2 and max_difference(engine.state_dict(), ref) < 1e-5
+    engine.close()
+
+
 def test_a_parameter_moved_after_initialize_is_refused_by_name():
     """Replicated weights view the engine's flat buffer: a parameter given new
     storage (``model.to`` another device; on two CPU ranks Accelerate's device

@@ -28,11 +28,29 @@ from offload.schedule import SCHEDULES
 from offload.store.aio import AioSettings
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    """A config file's JSON, unvalidated (for callers that adjust it before ``Config.load``)."""
+    """A config file's JSON, unvalidated (for callers that adjust it before
+    ``Config.load``). A key given twice in one object is refused, as DeepSpeed
+    refuses it: JSON would keep the last silently."""
     try:
         with open(path) as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"config {os.fspath(path)!r} gives the key {exc.args[0]!r} twice in one object; "
+                          "keep one") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config {os.fspath(path)!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:

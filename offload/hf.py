@@ -51,7 +51,6 @@ the learning rate, and, once ``train()`` knows the Trainer's step count n,
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shutil
@@ -62,7 +61,7 @@ import torch
 
 import offload
 from offload.checkpoint.format import LATEST
-from offload.config import Config
+from offload.config import Config, read_json
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
@@ -125,8 +124,7 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
     """The offload config with every "auto" resolved (Note ["auto" values]);
     without ``steps``, the scheduler's step counts are left as they are."""
     if isinstance(source, (str, os.PathLike)):
-        with open(source) as f:
-            data = json.load(f)
+        data = read_json(source)
     elif isinstance(source, dict):
         data = copy.deepcopy(source)
     else:

@@ -166,6 +166,19 @@ def test_unreadable_files_are_clear(tmp_path):
         Config.load(str(bad))
 
 
+def test_a_key_given_twice_is_refused_by_name(tmp_path):
+    """JSON keeps the last of two; DeepSpeed refuses the file, and so do we,
+    wherever the object is nested."""
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"gradient_clipping": 1.0, "zero_optimization": {"stage": 2, "stage": 3}, '
+                     '"gradient_clipping": 0.0}')
+    with pytest.raises(ConfigError, match=r"gives the key 'stage' twice in one object; keep one"):
+        Config.load(str(twice))
+    twice.write_text('{"gradient_clipping": 1.0, "gradient_clipping": 0.0}')
+    with pytest.raises(ConfigError, match=r"gives the key 'gradient_clipping' twice"):
+        Config.load(str(twice))
+
+
 def test_reference_documents_every_key():
     keys = {key for key, _, doc in reference()}
     assert "zero_optimization.offload_optimizer.nvme_path" in keys and "aio.queue_depth" in keys

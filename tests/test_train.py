@@ -32,13 +32,20 @@ def summary_of(out_dir):
 
 
 @native
-@pytest.mark.parametrize("batch,expected", [({"train_batch_size": 8}, (8, 1)),
-                                            ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, (4, 2))])
-def test_train_takes_a_deepspeed_batch_size_as_deepspeed_does(tmp_path, batch, expected):
+@pytest.mark.parametrize("batch,flags,expected", [
+    ({"train_batch_size": 8}, [], (8, 1)),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, [], (4, 2)),
+    # --batch-size sets the micro batch; the config's global batch stands and the accumulation follows
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, ["--batch-size", "8"], (8, 2)),
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 4}, ["--batch-size", "2"], (2, 8)),
+    ({"gradient_accumulation_steps": 3}, ["--batch-size", "2"], (2, 3)),
+])
+def test_train_takes_a_deepspeed_batch_size_as_deepspeed_does(tmp_path, batch, flags, expected):
     """Note [batch sizes]: no default micro batch overrides train_batch_size's."""
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({**batch, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
-    assert main(["train", "--config", str(config), "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "o")]) == 0
+    assert main(["train", "--config", str(config), "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "o"),
+                 *flags]) == 0
     s = summary_of(tmp_path / "o")
     assert (s["micro_batch"], s["accumulation"]) == expected
 

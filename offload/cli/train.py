@@ -69,7 +69,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's block size)")
     p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="sequences per micro-batch per rank (default: the config's, else 8)")
+                   help="sequences per micro-batch per rank (default: the config's, else 8); a config's "
+                        "train_batch_size stands, and the accumulation steps follow from it")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: the config's nvme_path, else "
                    f"a new temporary directory in {tempfile.gettempdir()}, removed after)")
     p.add_argument("--seed", type=seed, default=0, help="seed for the weights and the batches (default 0)")
@@ -198,7 +199,8 @@ def _raw_config(args: argparse.Namespace) -> dict:
         raise UsageError(f"--config {path}: must hold a JSON object of config keys, not a {type(raw).__name__}")
     if args.batch_size is not None:
         raw["train_micro_batch_size_per_gpu"] = args.batch_size
-        raw.pop("train_batch_size", None)  # recomputed from the micro batch
+        if "train_batch_size" in raw:  # the config's global batch stands; the accumulation follows from it
+            raw.pop("gradient_accumulation_steps", None)
     if "train_batch_size" not in raw:  # else it gives the micro batch, or the accumulation (Note [batch sizes])
         raw.setdefault("train_micro_batch_size_per_gpu", 8)
     if args.config is None:  # the default config: bf16 where CUDA can compute in it

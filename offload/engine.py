@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -79,6 +80,18 @@ KEPT_BUFFERS = {"inv_freq", "original_inv_freq"}  # Note [buffers in low precisi
 LR_RESUMES = "load_checkpoint: the learning rate resumes at the saved"
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()  # model -> its engine
 # (beside the model, not on it: an attribute would travel with its pickles and deep copies)
+
+
+def _while_open(method):
+    """Refuse a call on a closed engine: its hooks, buffers and swap files are gone."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if self._closed:
+            name = "engine(...)" if method.__name__ == "__call__" else f"engine.{method.__name__}"
+            raise UsageError(f"{name} after engine.close(): the engine gave the model back and removed its hooks "
+                             "and swap files; make a new one (offload.initialize) to go on training")
+        return method(self, *args, **kwargs)
+    return checked
 
 
 class Engine:
@@ -246,6 +259,7 @@ class Engine:
 
     # -- training ------------------------------------------------------------------
 
+    @_while_open
     def __call__(self, *args, **kwargs):
         """The model's forward; arguments pass through unchanged (``engine(**batch)``
         for a dict of keyword inputs, as a Hugging Face model takes)."""
@@ -261,6 +275,7 @@ class Engine:
         """The model's evaluation mode (``module.eval()``): dropout off."""
         return self.train(False)
 
+    @_while_open
     def backward(self, loss, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
         unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
@@ -360,6 +375,7 @@ class Engine:
         """The last backward ended an accumulation window that no step has taken yet."""
         return self._window_ended
 
+    @_while_open
     def step(self) -> None:
         """The optimizer step, at gradient-accumulation boundaries only."""
         self._stepped_since_backward = True
@@ -388,6 +404,7 @@ class Engine:
             self.optimizer.lr = self.schedule.rate(self.applied_steps)
 
     @contextlib.contextmanager
+    @_while_open
     def gathered(self, params, modifier_rank: int | None = None):
         """``params`` (a parameter or several) whole on every rank for the block,
         as DeepSpeed's ``zero.GatheredParameters``: a collective, every rank
@@ -563,6 +580,7 @@ class Engine:
             for key, read in values.items():
                 self.weights.assign(entries[key], read)
 
+    @_while_open
     def state_dict(self, dtype: torch.dtype = torch.float32,
                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict, consolidated from the fp32 master weights, in
@@ -577,12 +595,14 @@ class Engine:
         """(key, dtype, shape) of what ``full_weights`` yields, in its order."""
         return export_plan(self.layout, self._keys(), self.other_entries(exclude_frozen_parameters), dtype)
 
+    @_while_open
     def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Write the consolidated weights (``dtype``: float32, bfloat16 or
         float16) to a safetensors file, one parameter at a time: the whole model
         is never in host memory at once. Every rank must call it; rank 0 writes."""
         write_safetensors(path, self.export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
 
+    @_while_open
     def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
                         max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
         """Write the consolidated weights (``dtype``) and the model's config files
@@ -593,6 +613,7 @@ class Engine:
         return write_pretrained(directory, self.export_plan(dtype), self.full_weights(dtype),
                                 model_configs(self.module), max_shard_bytes, write=self.rank == 0)
 
+    @_while_open
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's call: the consolidated weights in the compute dtype (bf16
@@ -618,6 +639,7 @@ class Engine:
 
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
 
+    @_while_open
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         exclude_frozen_parameters: bool = False) -> str:
         """Save the full training state (fp32 master weights, Adam moments,
@@ -630,6 +652,7 @@ class Engine:
         Returns the checkpoint directory."""
         return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters)
 
+    @_while_open
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         """Restore a checkpoint saved by an engine with the same model, layout and
         world size (``load_dir`` and ``tag`` as in save; no tag: the one named by

@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import os
+import re
 
 import psutil
 import pytest
@@ -436,6 +437,23 @@ def test_loss_backward_in_place_of_engine_backward_is_refused_and_leaks_nothing(
     ref = train_reference(make_model(), 2, 1, 1, cfg)
     assert engine.global_steps == 2 and max_difference(engine.state_dict(), ref) < 1e-5
     engine.close()
+
+
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "cpu")])
+def test_a_closed_engine_refuses_to_train_or_save(tmp_path, stage, param_device):
+    """At stage 3 a closed engine's forward, backward and step used to run and
+    count steps while training nothing."""
+    engine = offload.initialize(make_model(), config(stage, "cpu", 1, param_device=param_device))
+    loss = engine(batch(0, 0, 0))
+    engine.close()
+    calls = {"engine(...)": lambda: engine(batch(0, 0, 0)), "engine.backward": lambda: engine.backward(loss),
+             "engine.step": engine.step, "engine.state_dict": engine.state_dict,
+             "engine.save_checkpoint": lambda: engine.save_checkpoint(str(tmp_path)),
+             "engine.gathered": lambda: engine.gathered(list(engine.module.parameters())[:1])}
+    for name, call in calls.items():
+        with pytest.raises(UsageError, match=rf"^{re.escape(name)} after engine.close\(\): .* make a new one"):
+            call()
+    assert engine.global_steps == 0 and os.listdir(tmp_path) == []
 
 
 def test_a_parameter_moved_after_initialize_is_refused_by_name():

@@ -17,6 +17,7 @@ import pytest
 
 from offload import Config, _native
 from offload.cli import bench_swap, main
+from offload.errors import UsageError
 from offload.store import TieredStore
 from offload.store.shard_file import HEADER_BYTES
 
@@ -262,11 +263,18 @@ def test_sweep_runs_the_baseline_at_every_point_with_that_points_settings(tmp_pa
         (["bench", "swap", "--path", "/nonexistent/dir"], "is not an existing directory"),
         (["bench", "swap", "--path", "/tmp", "--block-size", "1000"], "multiple of 4096"),
         (["bench", "swap", "--path", "/tmp", "--size", "big"], "is not a size"),
+        (["bench", "swap", "--path", "/sys"], "--path '/sys': cannot write there (Permission denied)"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], check=False, capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_too_little_room_is_said_in_units_that_show_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_swap.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(8 << 20, 0, 8 << 20))
+    with pytest.raises(UsageError, match=r"has 8.0 MiB free; --size 16.0 MiB needs 17.6 MiB; pass a smaller --size"):
+        bench_swap._check_room(str(tmp_path), 16 << 20)
 
 
 class _FakeAioHandle:

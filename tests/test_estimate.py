@@ -281,6 +281,11 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate", "--params", "1B", "--trainable", "2B"], "--trainable 2,000,000,000 must be between 1 and"),
     (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
     (["plan", "--params", "1B", "--out", "/nonexistent/plan.json"], "does not exist; create it first"),
+    # sysfs refuses a new file even to root: before any measurement, one line
+    (["plan", "--params", "1B", "--out", "/sys/plan.json"], "cannot write in /sys (Permission denied)"),
+    (["plan", "--params", "1B", "--nvme-path", "/sys"], "--nvme-path '/sys': cannot write there to measure it"),
+    (["export", "/nonexistent", "--out", "/sys/x.safetensors"], "cannot write in /sys"),
+    (["export", "/nonexistent", "--hf", "/sys/model"], "cannot write in /sys"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120,

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 
 from offload.errors import UsageError
 from offload.models.gpt import SIZES, GPTConfig, size_name
@@ -46,7 +47,23 @@ def _in_existing_directory(text: str) -> str:
     parent = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
+    why = unwritable(parent)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write in {parent} ({why}); pick another place")
     return text
+
+
+def unwritable(directory: str) -> str | None:
+    """Why no file can be made in ``directory``, or None. Tried with a file made
+    and removed, before any work: ``os.access`` lets root pass where a
+    read-only filesystem then refuses."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def existing_directory(text: str) -> str:

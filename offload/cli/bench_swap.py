@@ -57,9 +57,10 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import positive_int
+from offload.cli.args import positive_int, unwritable
 from offload.cli.progress import Progress
 from offload.errors import StorageError, UsageError
+from offload.report import human_bytes
 from offload.store import AioSettings, TieredStore
 from offload.store.shard_file import ALIGN, HEADER_BYTES
 
@@ -146,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"the native library is unavailable: {_native.status().reason}")
     if not os.path.isdir(args.path):
         raise UsageError(f"--path {args.path!r} is not an existing directory; create it or pick another")
+    why = unwritable(args.path)
+    if why:
+        raise UsageError(f"--path {args.path!r}: cannot write there ({why}); pick another")
     size = args.size or (256 * MiB if args.sweep else 1 << 30)
     points = ([(b, t) for b in SWEEP_BLOCKS for t in SWEEP_THREADS] if args.sweep
               else [(args.block_size, args.threads)])
@@ -637,8 +641,9 @@ def _report_sweep(r: dict) -> str:
 def _check_room(path: str, size: int) -> None:
     free = shutil.disk_usage(path).free
     if free < size * 1.1:
-        raise UsageError(f"{path} has {free / 1e9:.1f} GB free; --size {size / 1e9:.1f} GB needs {size * 1.1 / 1e9:.1f} GB; pass a smaller --size")
+        raise UsageError(f"{path} has {human_bytes(free)} free; --size {human_bytes(size)} needs "
+                         f"{human_bytes(size * 1.1)}; pass a smaller --size")
     available = psutil.virtual_memory().available
     if available < size * 1.5:
-        raise UsageError(f"--size {size / 1e9:.1f} GB needs about {size * 1.5 / 1e9:.1f} GB of free RAM for buffers, "
-                        f"{available / 1e9:.1f} GB is available; pass a smaller --size")
+        raise UsageError(f"--size {human_bytes(size)} needs about {human_bytes(size * 1.5)} of free RAM for buffers, "
+                         f"{human_bytes(available)} is available; pass a smaller --size")

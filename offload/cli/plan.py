@@ -24,7 +24,7 @@ import torch
 
 from offload import Config
 from offload.cli import bench_swap
-from offload.cli.args import byte_size, output_file, positive_int
+from offload.cli.args import byte_size, output_file, positive_int, unwritable
 from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
 from offload.errors import UsageError
 from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES
@@ -82,6 +82,9 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     if nvme_path is not None:
         if not os.path.isdir(nvme_path):
             raise UsageError(f"--nvme-path {nvme_path!r} is not a directory; create it first")
+        why = unwritable(nvme_path)
+        if why:
+            raise UsageError(f"--nvme-path {nvme_path!r}: cannot write there to measure it ({why}); pick another")
         machine.nvme_free = shutil.disk_usage(nvme_path).free
         with tempfile.TemporaryDirectory(prefix="offload-plan-", dir=nvme_path) as scratch:
             speed = bench_swap.measure(scratch, min(bench_size, machine.nvme_free // 4), AioSettings())

@@ -92,7 +92,10 @@ class SafetensorsReader:
                 raise UsageError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
             if n > min(MAX_HEADER_BYTES, size - 8):
-                raise UsageError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
+                pickled = head[:2] == b"PK" or head[:1] == b"\x80"  # torch.save's zip, or a bare pickle
+                raise UsageError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)"
+                                 + ("; it looks like a torch.save file: torch.load it and pass its state dict"
+                                    if pickled else ""))
             try:
                 header = json.loads(os.pread(self._fd, n, 8))
             except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep

@@ -18,6 +18,7 @@ manifest and extra.safetensors carry one each, checked before they are parsed.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import typing
@@ -215,6 +216,10 @@ def resolve(path: str, tag: str | None = None) -> str:
         raise CheckpointError(f"{path} has no checkpoint tagged {tag!r}; "
                               + (f"its tags: {', '.join(tags)}" if tags else "it holds no complete checkpoint"))
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        if glob.glob(os.path.join(glob.escape(directory), "*model_states.pt")):
+            raise CheckpointError(f"{directory} is a DeepSpeed checkpoint, which offload does not load; turn it into "
+                                  "weights with DeepSpeed's zero_to_fp32.py (--safe_serialization) and start from "
+                                  "those (offload.initialize(model, config, weights=DIR))")
         raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
     return directory
 

@@ -107,8 +107,9 @@ def layout_records(engine: Checkpointable) -> list[BucketRecord]:
 
 
 def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: dict | None,
-         exclude_frozen_parameters: bool = False) -> str:
-    """Note [checkpoint atomicity]. A collective: every rank calls it."""
+         exclude_frozen_parameters: bool = False, save_latest: bool = True) -> str:
+    """Note [checkpoint atomicity]. A collective: every rank calls it.
+    ``save_latest``: ``latest`` names the new checkpoint (else it stays as it was)."""
     progress = engine.training_state()
     _require_step_boundary(engine, progress, "save_checkpoint")
     tag = f"global_step{progress.global_steps}" if tag is None else str(tag)
@@ -146,7 +147,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
         eps={name: group.eps for name, group in groups.items()},
         configs={name: zlib.crc32(text.encode()) for name, text in configs.items()},
     )
-    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, configs)
+    _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, configs, save_latest)
     return final
 
 
@@ -220,7 +221,8 @@ def _write_extras(engine: Checkpointable, partial: str, exclude_frozen_parameter
     return [key for key, _ in entries], file_crc32(path) if engine.rank == 0 else 0
 
 
-def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, configs: dict[str, str]) -> None:
+def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, configs: dict[str, str],
+             save_latest: bool) -> None:
     """``configs``: the model's Hugging Face config files (``export --hf`` copies them)."""
     try:
         for name, text in configs.items():
@@ -234,6 +236,8 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
     latest = os.path.join(save_dir, LATEST)
     try:
         fsync_dir(save_dir)
+        if not save_latest:
+            return
         write_synced(latest + ".partial", manifest.tag.encode())
         os.replace(latest + ".partial", latest)
         fsync_dir(save_dir)

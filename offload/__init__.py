@@ -23,7 +23,9 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
     meta device when built under ``offload.init``) in an Engine configured by a
     DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
-    a meta-built module's own parameters (default: its ``reset_parameters``).
+    a meta-built module's own parameters (default: its ``reset_parameters``,
+    then, for a Hugging Face model, the model's ``_init_weights``, as
+    ``from_config`` initialises it).
     ``nvme_path`` replaces every ``nvme_path`` of the config (a shipped config
     names ``/local_nvme``; point it at a directory on this machine's disk).
     ``weights``: a safetensors file or model directory loaded into the engine
@@ -40,7 +42,8 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     if weights is None:
         return Engine(model, config, init_fn, param_groups)
     weights = os.fspath(weights)
-    engine = Engine(model, config, init_covering(model, weights, init_fn) if is_meta(model) else init_fn, param_groups)
+    init_fn = init_covering(model, weights, init_fn or model_init(model)) if is_meta(model) else init_fn
+    engine = Engine(model, config, init_fn, param_groups)
     try:
         load_weights(engine, weights, allow_missing)
     except BaseException:
@@ -74,7 +77,7 @@ from offload.errors import ConfigError, OffloadError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402
 from offload.signals import exit_on_signals  # noqa: E402
-from offload.zero.materialize import is_meta, meta_device  # noqa: E402
+from offload.zero.materialize import is_meta, meta_device, model_init  # noqa: E402
 
 __all__ = ["Config", "ConfigError", "Engine", "OffloadError", "exit_on_signals", "from_pretrained", "init", "initialize",
            "load_weights"]

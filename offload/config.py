@@ -434,7 +434,8 @@ REFUSED_KEYS = {
                           "mics_shard_size": "MiCS partitioning is not implemented",
                           "mics_hierarchical_params_gather": "MiCS partitioning is not implemented"},
     "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
-    "fp16": {"auto_cast": "compute dtype follows the model's parameters; auto_cast is not implemented"},
+    "fp16": {"auto_cast": "the compute dtype is the config's (the bf16 or fp16 section), the model cast to it; "
+                          "auto_cast is not implemented"},
 }
 
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:

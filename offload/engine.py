@@ -45,6 +45,7 @@ import torch
 
 from offload import checkpoint
 from offload.checkpoint import TrainingState
+from offload.checkpoint.format import LATEST, MANIFEST
 from offload.config import Config
 from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper
@@ -66,7 +67,7 @@ from offload.zero.grads import GradientReducer
 from offload.param_groups import Grouping, owned_runs, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
-from offload.zero.materialize import is_meta, materialize
+from offload.zero.materialize import is_meta, materialize, model_init
 from offload.zero.optimizer import make_optimizer
 from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
@@ -97,12 +98,13 @@ def _while_open(method):
 class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, init_fn=None, param_groups=None) -> None:
         """``init_fn(module)`` initialises a module's own parameters when the model
-        was built under ``offload.init`` (default: the module's reset_parameters).
+        was built under ``offload.init`` (default: the module's reset_parameters,
+        then for a Hugging Face model its ``_init_weights``: ``model_init``).
         ``param_groups``: Note [parameter groups]."""
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"offload.initialize takes a torch.nn.Module, got {type(model).__name__}; for a "
-                             "Hugging Face model's name or directory, offload.from_pretrained(name, config) builds "
-                             "and loads it")
+                             "Hugging Face model's directory, offload.from_pretrained(transformers.AutoModelForCausalLM, "
+                             "directory, config) builds and loads it")
         holder = _HELD.get(model, lambda: None)()
         if holder is not None and not holder._closed:
             raise UsageError("offload.initialize was given a model another engine still trains (its hooks and "
@@ -126,7 +128,7 @@ class Engine:
         self.module = model
         self.config = config
         if is_meta(model):
-            init_fn = adapter_init(model, init_fn)  # Note [LoRA on the meta device]
+            init_fn = adapter_init(model, init_fn or model_init(model))  # Note [LoRA on the meta device]
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
@@ -140,6 +142,7 @@ class Engine:
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
         self.dtype = DTYPES[config.compute_dtype_name]
+        _warn_if_widened(named, self.dtype)
         self._original_dtypes = {name: v.dtype for name, v in _parameters_and_buffers(model)}
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout.of_model(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)
@@ -641,23 +644,47 @@ class Engine:
 
     @_while_open
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save the full training state (fp32 master weights, Adam moments,
         counters, loss scale, RNG states, buffers, frozen parameters unless
         ``exclude_frozen_parameters``, ``client_state``: JSON) under
-        ``save_dir/tag`` (default tag ``global_step<N>``), between steps.
+        ``save_dir/tag`` (default tag ``global_step<N>``), between steps, and
+        name it in ``save_dir/latest`` unless ``save_latest`` is false (the
+        arguments are DeepSpeed's).
         It appears complete or not at all (Note [checkpoint atomicity]); every
         rank must call it. With the delayed update, the update in flight is
         applied first, so the weights saved are the optimizer's newest.
         Returns the checkpoint directory."""
-        return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters)
+        return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters, save_latest)
 
     @_while_open
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
         """Restore a checkpoint saved by an engine with the same model, layout and
         world size (``load_dir`` and ``tag`` as in save; no tag: the one named by
         ``load_dir/latest``); frozen parameters it left out keep the values they
-        have. Returns (checkpoint directory, client_state)."""
+        have. Returns (checkpoint directory, client_state). As DeepSpeed's: with
+        no tag and no ``latest`` there, nothing loads and it returns (None,
+        None), with a warning, so "resume if there is a checkpoint" reads as
+        there. DeepSpeed's partial loads (its other arguments, given otherwise
+        than by default) are refused by name: a checkpoint restores all of the
+        training state."""
+        partial = [f"{name}={value!r}" for name, value, default in [
+            ("load_module_strict", load_module_strict, True), ("load_optimizer_states", load_optimizer_states, True),
+            ("load_lr_scheduler_states", load_lr_scheduler_states, True),
+            ("load_module_only", load_module_only, False), ("custom_load_fn", custom_load_fn, None)]
+            if value != default]
+        if partial:
+            raise UsageError(f"load_checkpoint({', '.join(partial)}) is not supported: a checkpoint restores all of "
+                             "the training state; to start afresh from its weights alone, offload export it and "
+                             "pass the file as offload.initialize(model, config, weights=FILE)")
+        load_dir = os.fspath(load_dir)
+        if tag is None and not any(os.path.isfile(os.path.join(load_dir, name)) for name in (LATEST, MANIFEST)):
+            warnings.warn(f"offload: {load_dir} holds no checkpoint (no {LATEST} file): nothing loaded, and "
+                          "load_checkpoint returns (None, None) as DeepSpeed's does; pass a tag to load one",
+                          UserWarning, stacklevel=3)
+            return None, None
         return checkpoint.load(self, load_dir, tag)
 
     @property
@@ -792,6 +819,17 @@ def _refuse_load_state_dict(module, state_dict, prefix, *rest) -> None:
                      "optimizer's master weights stay as they were); before the first step use "
                      "offload.load_weights(engine, state_dict), to resume engine.load_checkpoint, or call "
                      "engine.close() first")
+
+
+def _warn_if_widened(named: list[tuple[str, torch.nn.Parameter]], dtype: torch.dtype) -> None:
+    """A model made in bf16 or fp16 and a config without that section would
+    silently train, and hold its weights, in fp32: said, by the key that fixes it."""
+    narrow = {p.dtype for _, p in named if p.dtype in (torch.bfloat16, torch.float16)}
+    if dtype == torch.float32 and narrow:
+        key, name = ("bf16", "bfloat16") if torch.bfloat16 in narrow else ("fp16", "float16")
+        warnings.warn(f"offload: the model's parameters are {name}, but the config enables neither bf16 nor fp16, "
+                      f"so it computes in float32, its weights taking twice the memory; add "
+                      f'"{key}": {{"enabled": true}} to compute in {name}', UserWarning, stacklevel=4)
 
 
 _warned_cpu = False

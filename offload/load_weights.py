@@ -246,9 +246,10 @@ def _own_values(engine, pieces: list) -> dict:
     return kept
 
 
-def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = None, allow_missing: bool = False,
+def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | None = None, allow_missing: bool = False,
                     param_groups=None):
-    """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc.) built
+    """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc., or an
+    Auto class such as ``transformers.AutoModelForCausalLM``) built
     from the ``config.json`` in directory ``path`` under ``offload.init``, wrapped
     in an engine configured by ``config`` (as ``offload.initialize`` takes it),
     with the weights of ``path`` loaded: the model is built one module at a
@@ -264,9 +265,20 @@ def from_pretrained(model_class, path: str, config, *, nvme_path: str | None = N
         raise UsageError(f"offload.from_pretrained needs transformers >= 5 (found {transformers.__version__}): earlier "
                          "versions' _init_weights leave buffers such as rotary frequencies unset on a model built "
                          "on the meta device; pip install -U 'transformers>=5'")
-    model_config = model_class.config_class.from_pretrained(path)
+    if config is None:
+        raise UsageError("offload.from_pretrained takes a transformers model class (LlamaForCausalLM) or an Auto "
+                         "class (AutoModelForCausalLM), then the directory, then the config; the config is missing")
+    if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+        model_config = model_class.config_class.from_pretrained(path)
+        build = model_class
+    elif callable(getattr(model_class, "from_config", None)):  # an Auto class: the config names the model
+        model_config = transformers.AutoConfig.from_pretrained(path)
+        build = model_class.from_config
+    else:
+        raise UsageError(f"offload.from_pretrained takes a transformers model class (LlamaForCausalLM) or an Auto "
+                         f"class (AutoModelForCausalLM), then the directory, then the config; got {model_class!r}")
     with offload.init(config, nvme_path=nvme_path):
-        model = model_class(model_config)
+        model = build(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,
                               allow_missing=allow_missing,
                               param_groups=None if param_groups is None else param_groups(model))

@@ -365,8 +365,9 @@ def _train(engine, steps=2):
 
 
 @needs_hf
+@pytest.mark.parametrize("auto", [False, True], ids=["class", "auto-class"])
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path, build):
+def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path, build, auto):
     torch.manual_seed(0)
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(99))
     model = build()
@@ -379,11 +380,59 @@ def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path,
     del cfg["zero_optimization"]["offload_param"]["nvme_path"]  # given below, as initialize takes it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = offload.from_pretrained(type(model), str(tmp_path / "hf"), cfg, nvme_path=str(tmp_path / "nvme"))
+        model_class = transformers.AutoModelForCausalLM if auto else type(model)
+        engine = offload.from_pretrained(model_class, str(tmp_path / "hf"), cfg, nvme_path=str(tmp_path / "nvme"))
+    assert type(engine.module) is type(model)
     with engine:
         engine.module.eval()
         with torch.no_grad():
             assert torch.equal(engine(input_ids=ids).logits, expected)
+
+
+@needs_hf
+def test_from_pretrained_names_what_it_takes(tmp_path):
+    with pytest.raises(UsageError, match=r"takes a transformers model class \(LlamaForCausalLM\) or an Auto class"):
+        offload.from_pretrained(str(tmp_path), config(2, "cpu", 1))
+    with pytest.raises(UsageError, match=r"offload.from_pretrained\(transformers.AutoModelForCausalLM, directory, "):
+        offload.initialize(str(tmp_path), config(2, "cpu", 1))
+
+
+@needs_hf
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_a_hugging_face_model_built_under_init_gets_its_own_initialisation(build):
+    """As from_config initialises it: the model's initializer_range (0.02),
+    not torch's defaults (a 64-wide Linear: std 0.072), zero biases; GPT-2's
+    Conv1D, which has no reset_parameters, needs no init_fn."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.init(config(3, "cpu", 1, param_device="cpu")):
+            model = build()
+        engine = offload.initialize(model, config(3, "cpu", 1, param_device="cpu"))
+    with engine:
+        state = engine.state_dict()
+        _train(engine)
+    matrices = [v for k, v in state.items() if v.dim() == 2 and "embed" not in k and "wte" not in k and "wpe" not in k]
+    assert len(matrices) >= 8
+    for value in matrices:
+        assert abs(value.std().item() - 0.02) < 0.004
+    biases = [v for k, v in state.items() if k.endswith(".bias") and "ln" not in k]
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
+
+
+def test_a_deepspeed_checkpoint_is_named_as_one(tmp_path):
+    step = tmp_path / "ds" / "global_step100"
+    step.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step100")
+    torch.save({"module": make_model().state_dict()}, step / "mp_rank_00_model_states.pt")
+    with _engine(make_model(), stage=2) as engine:
+        with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint, which offload does not load; .*"
+                                                  r"zero_to_fp32.py"):
+            engine.load_checkpoint(str(tmp_path / "ds"))
+    with _engine(make_model(), stage=2) as engine:
+        with pytest.raises(UsageError, match=r"not a safetensors file .*; it looks like a torch.save file: "
+                                             r"torch.load it and pass its state dict"):
+            offload.load_weights(engine, str(step / "mp_rank_00_model_states.pt"))
 
 
 @needs_hf

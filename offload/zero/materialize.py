@@ -23,15 +23,36 @@ import torch
 from offload.errors import UsageError
 
 
+def _owns(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
 def default_init(module: torch.nn.Module) -> None:
-    owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
-    if not owns:
+    if not _owns(module):
         return
     if not hasattr(module, "reset_parameters"):
         raise UsageError(f"{type(module).__name__} has its own parameters or buffers but no reset_parameters(), so a "
                          "meta-built copy cannot be initialised; pass init_fn to offload.initialize (for a Hugging Face "
                          "model, init_fn=model._init_weights, its own initialiser, as offload.from_pretrained does)")
     module.reset_parameters()
+
+
+def model_init(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """A meta-built Hugging Face model's own initialiser, as building it with
+    ``from_config`` applies it: each module's ``reset_parameters`` (torch's
+    layers run theirs as they are made), then the model's ``_init_weights``
+    (its ``initializer_range``, zero biases, and its own layers). None for
+    any other model: ``default_init``."""
+    init_weights = getattr(model, "_init_weights", None)
+    if not callable(init_weights) or getattr(model, "config", None) is None:
+        return None
+
+    def init(module: torch.nn.Module) -> None:
+        if hasattr(module, "reset_parameters") and _owns(module):
+            module.reset_parameters()
+        init_weights(module)
+
+    return init
 
 
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,

@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import os
+import warnings
 import re
 
 import psutil
@@ -454,6 +455,48 @@ def test_a_closed_engine_refuses_to_train_or_save(tmp_path, stage, param_device)
         with pytest.raises(UsageError, match=rf"^{re.escape(name)} after engine.close\(\): .* make a new one"):
             call()
     assert engine.global_steps == 0 and os.listdir(tmp_path) == []
+
+
+def test_a_low_precision_model_under_an_fp32_config_is_said():
+    with pytest.warns(UserWarning, match=r'parameters are bfloat16, but the config enables neither bf16 nor fp16.*'
+                                         r'"bf16": \{"enabled": true\}'):
+        offload.initialize(make_model().to(torch.bfloat16), config(2, "cpu", 1)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*no effect here")
+        offload.initialize(make_model().to(torch.bfloat16), config(2, "cpu", 1, bf16={"enabled": True})).close()
+
+
+@pytest.mark.parametrize("threshold,said", [(10**9, True), (30, False)])
+def test_stage_3_that_partitions_nothing_is_said(threshold, said):
+    cfg = config(3, "cpu", 1, param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload.initialize(make_model(), cfg).close()
+    told = [str(w.message) for w in caught if "partitions none of them" in str(w.message)]
+    assert bool(told) == said
+    if said:
+        assert f"stage3_param_persistence_threshold ({threshold:,})" in told[0]
+        assert "offload_param.device 'cpu' holds none" in told[0]
+
+
+def test_deepspeeds_checkpoint_arguments(tmp_path):
+    """save_latest as there; a partial load refused by name; nothing to load:
+    (None, None) with a warning, as DeepSpeed's "resume if any" reads it."""
+    engine = train_engine(make_model(), 1, 1, config(2, "cpu", 1))
+    with pytest.warns(UserWarning, match=rf"{tmp_path / 'none'} holds no checkpoint .* returns \(None, None\)"):
+        assert engine.load_checkpoint(str(tmp_path / "none")) == (None, None)
+    engine.save_checkpoint(str(tmp_path / "c"), "a")
+    engine.save_checkpoint(str(tmp_path / "c"), "b", save_latest=False)
+    assert (tmp_path / "c" / "latest").read_text() == "a" and (tmp_path / "c" / "b" / "manifest.json").exists()
+    for kwargs in [{"load_optimizer_states": False}, {"load_module_only": True}, {"load_lr_scheduler_states": False},
+                   {"load_module_strict": False}]:
+        (name, value), = kwargs.items()
+        with pytest.raises(UsageError, match=rf"load_checkpoint\({name}={value}\) is not supported"):
+            engine.load_checkpoint(str(tmp_path / "c"), **kwargs)
+    assert engine.load_checkpoint(str(tmp_path / "c"), load_optimizer_states=True)[0].endswith("a")
+    engine.close()
 
 
 def test_a_parameter_moved_after_initialize_is_refused_by_name():

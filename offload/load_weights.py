@@ -49,10 +49,10 @@ class SafetensorsCheckpoint:
         self.name = path  # for messages
         if os.path.isdir(path):
             index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
-            if os.path.exists(index):
-                path = index
-            elif os.path.exists(single):
+            if os.path.exists(single):  # before the index, as transformers reads a directory (Note [a save in place])
                 path = single
+            elif os.path.exists(index):
+                path = index
             else:
                 raise UsageError(f"{path} holds neither {WEIGHTS} nor {INDEX}; pass a safetensors file or a model directory")
         if not os.path.exists(path):

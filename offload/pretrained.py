@@ -17,7 +17,8 @@ shards are written beside the old (``*.incoming``) and renamed into place
 only once all are complete and synced; then:
   - one file: its rename over ``model.safetensors`` switches atomically;
   - shards: those of the earlier save whose names the new ones reuse (the
-    same shard count) are first hard-linked under ``.replaced-`` names and
+    same shard count) are first hard-linked (copied, where the filesystem has
+    no hard links) under ``.replaced-`` names and
     its index pointed at those; the new shards take their names; the new
     index's rename switches; a ``model.safetensors`` of the earlier save is
     removed after it (until then it was what loaded).
@@ -36,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterable
 
 import torch
@@ -105,7 +107,13 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
             index = {"metadata": {"total_size": sum(nbytes(dtype, shape) for _, dtype, shape in plan)},
                      "weight_map": {key: name for name, part in zip(names, parts) for key, _, _ in part}}
             written.append(INDEX)
-        _put_in_place(directory, incoming, names, index)
+        try:
+            _put_in_place(directory, incoming, names, index)
+        except OSError:
+            for path in incoming:  # those not yet in place: the earlier save stands, whole
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         for name, text in configs.items():
             _write_atomic(os.path.join(directory, name), (_saved_dtype(text, plan) if name == CONFIGS[0] else text).encode())
             written.append(name)
@@ -130,7 +138,7 @@ def _put_in_place(directory: str, incoming: list[str], names: list[str], index: 
     fsync_dir(directory)
     stale = glob.glob(at("model-*-of-*.safetensors")) + glob.glob(at(ASIDE + "*")) + glob.glob(at("*.incoming"))
     if index is None:
-        stale.append(at(INDEX))
+        stale.insert(0, at(INDEX))  # first: an index naming a shard already gone would not load
     for path in stale:
         if os.path.basename(path) not in names:
             with contextlib.suppress(FileNotFoundError):
@@ -156,10 +164,19 @@ def _move_earlier_shards_aside(directory: str, taken: set[str]) -> None:
     for name in clash:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(at(ASIDE + name))
-        os.link(at(name), at(ASIDE + name))
+        try:
+            os.link(at(name), at(ASIDE + name))
+        except OSError:  # no hard links here (vfat, some network filesystems): a copy keeps it as well
+            _copy_synced(at(name), at(ASIDE + name))
     earlier["weight_map"] = {key: ASIDE + name if name in clash else name for key, name in weight_map.items()}
     fsync_dir(directory)
     _write_atomic(at(INDEX), json.dumps(earlier, indent=2).encode())
+
+
+def _copy_synced(source: str, target: str) -> None:
+    shutil.copyfile(source, target)
+    with open(target, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _saved_dtype(config: str, plan: Plan) -> str:

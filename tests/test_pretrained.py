@@ -25,6 +25,7 @@ import offload
 from offload.cli import main
 from offload.errors import CheckpointError, UsageError
 from offload import pretrained
+from offload.load_weights import SafetensorsCheckpoint
 from offload.pretrained import INDEX, WEIGHTS, shards
 from offload.safetensors_file import read_safetensors, write_safetensors
 
@@ -110,7 +111,25 @@ def test_a_save_that_fails_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatc
 def _what_loads(directory) -> dict[str, torch.Tensor] | None:
     """What ``from_pretrained`` reads: ``model.safetensors`` if present, else the
     files the index names (transformers' modeling_utils, in that order); None
-    when there is neither."""
+    when there is neither. offload's own reader must agree."""
+    ours = _what_offload_loads(directory)
+    theirs = _what_transformers_loads(directory)
+    assert (ours is None) == (theirs is None) and (ours is None or (
+        set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)))
+    return theirs
+
+
+def _what_offload_loads(directory) -> dict[str, torch.Tensor] | None:
+    if not any(os.path.exists(os.path.join(directory, name)) for name in (WEIGHTS, INDEX)):
+        return None
+    checkpoint = SafetensorsCheckpoint(str(directory))
+    try:
+        return {key: checkpoint.read(key).reshape(checkpoint.shape(key)) for key in checkpoint.where}
+    finally:
+        checkpoint.close()
+
+
+def _what_transformers_loads(directory) -> dict[str, torch.Tensor] | None:
     if os.path.exists(os.path.join(directory, WEIGHTS)):
         return read_safetensors(os.path.join(directory, WEIGHTS))
     if not os.path.exists(os.path.join(directory, INDEX)):
@@ -170,6 +189,38 @@ def test_a_save_killed_anywhere_leaves_one_whole_model(tmp_path, monkeypatch, ea
     kill.arm(0)
     files = _save(directory, new, later)
     assert sorted(os.listdir(directory)) == sorted(files)
+
+
+def test_a_save_over_shards_on_a_filesystem_without_hard_links_copies_them_aside(tmp_path, monkeypatch):
+    old, new = _weights(0), _weights(1)
+    _save(tmp_path, old, 1200)
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    files = _save(tmp_path, new, 1200)
+    assert sorted(os.listdir(tmp_path)) == sorted(files)
+    loaded = _what_loads(tmp_path)
+    assert all(torch.equal(loaded[k], new[k]) for k in new)
+
+
+def test_a_save_that_fails_putting_shards_in_place_leaves_no_incoming_file(tmp_path, monkeypatch):
+    old = _weights(0)
+    _save(tmp_path, old, 1200)
+    before = sorted(os.listdir(tmp_path))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pretrained, "_copy_synced", full)
+    monkeypatch.setattr(os, "link", full)
+    with pytest.raises(OSError, match="No space left"):
+        _save(tmp_path, _weights(1), 1200)
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".incoming")]
+    loaded = _what_loads(tmp_path)
+    assert all(torch.equal(loaded[k], old[k]) for k in old) and before == sorted(
+        n for n in os.listdir(tmp_path) if not n.startswith(pretrained.ASIDE))
 
 
 SETUPS = [(1, "cpu", None), (2, "nvme", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]

@@ -471,6 +471,63 @@ def test_a_hugging_face_model_built_under_init_gets_its_own_initialisation(build
     assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
 
 
+@needs_hf
+def test_hugging_faces_initialisation_keeps_a_tied_padding_row_and_names_what_it_leaves_unset():
+    """The tied head does not initialise the embedding again (its padding row
+    stays zero, as from_config leaves it); a module of the model's that
+    neither reset_parameters nor _init_weights sets is named, not left as
+    whatever memory held."""
+    config_ = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=160,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                       max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=3)
+    cfg = config(3, "cpu", 1, param_device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.init(cfg):
+            model = transformers.LlamaForCausalLM(config_)
+        with offload.initialize(model, cfg) as engine:
+            embedding = engine.state_dict()["model.embed_tokens.weight"]
+    assert torch.equal(embedding[3], torch.zeros(64)) and embedding[4].abs().sum() > 0
+
+    class Gate(torch.nn.Module):  # no reset_parameters, and nothing _init_weights knows
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(64))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.init(cfg):
+            model = transformers.LlamaForCausalLM(config_)
+            model.model.gate = Gate()
+        with pytest.raises(UsageError, match=r"Gate.scale: neither a reset_parameters\(\) nor the model's "
+                                             r"_init_weights gives it a value"):
+            offload.initialize(model, cfg)
+
+
+def test_a_model_with_an_init_weights_of_its_own_is_not_taken_for_a_hugging_face_one():
+    """A common habit: _init_weights(self) with no module argument, and a config attribute."""
+    class Mine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"width": 8}
+            self.layer = torch.nn.Linear(8, 8)
+
+        def _init_weights(self):
+            torch.nn.init.zeros_(self.layer.weight)
+
+        def forward(self, x):
+            return self.layer(x).square().mean()
+
+    cfg = config(3, "cpu", 1, param_device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.init(cfg):
+            model = Mine()
+        with offload.initialize(model, cfg) as engine:
+            engine.backward(engine(torch.ones(2, 8)))
+            engine.step()
+
+
 def test_a_deepspeed_checkpoint_is_named_as_one(tmp_path):
     step = tmp_path / "ds" / "global_step100"
     step.mkdir(parents=True)

@@ -16,6 +16,8 @@ number of ranks: every rank draws every value and keeps its part.
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,19 +40,41 @@ def default_init(module: torch.nn.Module) -> None:
 
 
 def model_init(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
-    """A meta-built Hugging Face model's own initialiser, as building it with
-    ``from_config`` applies it: each module's ``reset_parameters`` (torch's
-    layers run theirs as they are made), then the model's ``_init_weights``
-    (its ``initializer_range``, zero biases, and its own layers). None for
-    any other model: ``default_init``."""
-    init_weights = getattr(model, "_init_weights", None)
-    if not callable(init_weights) or getattr(model, "config", None) is None:
+    """A meta-built Hugging Face model's own initialiser (transformers >= 5,
+    whose ``_init_weights`` sets buffers such as rotary frequencies too), as
+    building it with ``from_config`` applies it: each module's
+    ``reset_parameters`` (torch's layers run theirs as they are made), then the
+    model's ``_init_weights`` (its ``initializer_range``, zero biases, its own
+    layers). A tied weight is initialised by its first holder only, as
+    ``from_config`` ties after initialising; a parameter neither gives a value
+    is an error naming it, as ``default_init`` makes one. None for any other
+    model (a PEFT model's base counts): ``default_init``."""
+    transformers = sys.modules.get("transformers")
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if transformers is None or not isinstance(base, transformers.PreTrainedModel) \
+            or int(transformers.__version__.split(".")[0]) < 5:
         return None
+    init_weights = base._init_weights
+    done: set[int] = set()  # parameters initialised, by id (materialize keeps each object)
 
     def init(module: torch.nn.Module) -> None:
+        own = list(module.parameters(recurse=False))
+        if own and all(id(p) in done for p in own) and not any(True for _ in module.buffers(recurse=False)):
+            return  # a tied weight's later holder
         if hasattr(module, "reset_parameters") and _owns(module):
             module.reset_parameters()
+        else:
+            for p in own:
+                if p.is_floating_point():
+                    p.fill_(math.nan)  # so a value nothing sets shows
         init_weights(module)
+        unset = [name for name, p in module.named_parameters(recurse=False)
+                 if p.is_floating_point() and torch.isnan(p).any()]
+        if unset:
+            raise UsageError(f"{type(module).__name__}.{', '.join(unset)}: neither a reset_parameters() nor the "
+                             "model's _init_weights gives it a value on a meta-built model; pass init_fn to "
+                             "offload.initialize")
+        done.update(id(p) for p in own)
 
     return init
 

@@ -45,7 +45,6 @@ import torch
 
 from offload import checkpoint
 from offload.checkpoint import TrainingState
-from offload.checkpoint.format import LATEST, MANIFEST
 from offload.config import Config
 from offload.errors import UsageError, in_brief
 from offload.optim.group_runs import GroupHyper
@@ -142,7 +141,8 @@ class Engine:
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
         self.dtype = DTYPES[config.compute_dtype_name]
-        _warn_if_widened(named, self.dtype)
+        if self.rank == 0:
+            _warn_if_widened(model, self.dtype)
         self._original_dtypes = {name: v.dtype for name, v in _parameters_and_buffers(model)}
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout.of_model(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)
@@ -551,6 +551,7 @@ class Engine:
         keys_of = self.state_entries().keys_of
         return lambda slot: keys_of[slot.param]
 
+    @_while_open
     def full_weights(self, dtype: torch.dtype = torch.float32,
                      exclude_frozen_parameters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(key, tensor) for every entry of the model's state dict, trainable
@@ -634,10 +635,11 @@ class Engine:
         if save_filename.endswith(".safetensors"):
             write_safetensors(path, self.export_plan(self.dtype, exclude_frozen_parameters),
                               self.full_weights(self.dtype, exclude_frozen_parameters), write=self.rank == 0)
-        else:
-            state = self.state_dict(self.dtype, exclude_frozen_parameters)
-            if self.rank == 0:
-                write_torch_file(path, state)
+        elif self.rank == 0:
+            write_torch_file(path, self.state_dict(self.dtype, exclude_frozen_parameters))
+        else:  # the other ranks take part in the gathers and keep nothing
+            for _ in self.full_weights(self.dtype, exclude_frozen_parameters):
+                pass
         return True
 
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
@@ -679,13 +681,7 @@ class Engine:
             raise UsageError(f"load_checkpoint({', '.join(partial)}) is not supported: a checkpoint restores all of "
                              "the training state; to start afresh from its weights alone, offload export it and "
                              "pass the file as offload.initialize(model, config, weights=FILE)")
-        load_dir = os.fspath(load_dir)
-        if tag is None and not any(os.path.isfile(os.path.join(load_dir, name)) for name in (LATEST, MANIFEST)):
-            warnings.warn(f"offload: {load_dir} holds no checkpoint (no {LATEST} file): nothing loaded, and "
-                          "load_checkpoint returns (None, None) as DeepSpeed's does; pass a tag to load one",
-                          UserWarning, stacklevel=3)
-            return None, None
-        return checkpoint.load(self, load_dir, tag)
+        return checkpoint.load(self, os.fspath(load_dir), tag)
 
     @property
     def compute_dtype_name(self) -> str:
@@ -821,10 +817,11 @@ def _refuse_load_state_dict(module, state_dict, prefix, *rest) -> None:
                      "engine.close() first")
 
 
-def _warn_if_widened(named: list[tuple[str, torch.nn.Parameter]], dtype: torch.dtype) -> None:
+def _warn_if_widened(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """A model made in bf16 or fp16 and a config without that section would
-    silently train, and hold its weights, in fp32: said, by the key that fixes it."""
-    narrow = {p.dtype for _, p in named if p.dtype in (torch.bfloat16, torch.float16)}
+    silently train, and hold its weights, in fp32: said, by the key that fixes
+    it. Frozen parameters count: a LoRA's base is most of the model."""
+    narrow = {p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)}
     if dtype == torch.float32 and narrow:
         key, name = ("bf16", "bfloat16") if torch.bfloat16 in narrow else ("fp16", "float16")
         warnings.warn(f"offload: the model's parameters are {name}, but the config enables neither bf16 nor fp16, "

@@ -60,12 +60,13 @@ from collections.abc import Callable
 import torch
 
 import offload
-from offload.checkpoint.format import LATEST
+from offload.checkpoint.format import latest_tag
 from offload.config import Config, read_json
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
 from offload.schedule import schedule_of
+from offload.zero import comm
 from offload.zero.materialize import is_meta
 
 try:
@@ -228,14 +229,6 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the engine consumes gradients as backward makes them."""
-
-
-def _latest_tag(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip()
-    except OSError:  # no checkpoint there
-        return None
 
 
 class AppliedStepsSchedule(torch.optim.lr_scheduler.LRScheduler):
@@ -430,7 +423,7 @@ class OffloadTrainer(transformers.Trainer):
         # checkpoint there is never replaced in place: the new one takes the other of the two
         # tags, `latest` switches to it as it completes, and only then does the earlier go, so
         # a process killed at any point leaves `latest` naming a complete one.
-        earlier = _latest_tag(output_dir)
+        earlier = comm.all_gather_object(latest_tag(output_dir))[0]  # rank 0's: every rank writes one tag
         tag = ENGINE_CHECKPOINTS[1] if earlier == ENGINE_CHECKPOINTS[0] else ENGINE_CHECKPOINTS[0]
         if self.engine.rank == 0:
             shutil.rmtree(os.path.join(output_dir, tag), ignore_errors=True)  # not the latest: a stale one
@@ -443,7 +436,7 @@ class OffloadTrainer(transformers.Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine checkpoint (``_load_optimizer_and_scheduler``)."""
-        if _latest_tag(resume_from_checkpoint) not in ENGINE_CHECKPOINTS:
+        if latest_tag(resume_from_checkpoint) not in ENGINE_CHECKPOINTS:
             raise CheckpointError(f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINTS[0]}/): "
                                   "resume from a checkpoint an OffloadTrainer saved")
 

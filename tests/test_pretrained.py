@@ -537,6 +537,8 @@ def test_a_deepspeed_checkpoint_is_named_as_one(tmp_path):
         with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint, which offload does not load; .*"
                                                   r"zero_to_fp32.py"):
             engine.load_checkpoint(str(tmp_path / "ds"))
+        with pytest.raises(CheckpointError, match=rf"{step} is a DeepSpeed checkpoint"):  # its tag's directory
+            engine.load_checkpoint(str(step))
     with _engine(make_model(), stage=2) as engine:
         with pytest.raises(UsageError, match=r"not a safetensors file .*; it looks like a torch.save file: "
                                              r"torch.load it and pass its state dict"):

@@ -194,17 +194,41 @@ def read_manifest(directory: str) -> Manifest:
 # -- locating ------------------------------------------------------------------------------
 
 
+def latest_tag(path: str) -> str | None:
+    """The tag ``path/latest`` names; None where there is none."""
+    try:
+        with open(os.path.join(path, LATEST)) as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _is_deepspeeds(directory: str) -> bool:
+    return bool(glob.glob(os.path.join(glob.escape(directory), "*model_states.pt")))
+
+
+def _refuse_deepspeeds(directory: str) -> None:
+    if _is_deepspeeds(directory):
+        raise CheckpointError(f"{directory} is a DeepSpeed checkpoint, which offload does not load; turn it into "
+                              "weights with DeepSpeed's zero_to_fp32.py (--safe_serialization) and start from "
+                              "those (offload.initialize(model, config, weights=DIR))")
+
+
+def holds_checkpoint(path: str) -> bool:
+    """``resolve(path)`` finds something to load, or to refuse by name: a
+    checkpoint, a ``latest``, or a DeepSpeed checkpoint's files."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or latest_tag(path) is not None or _is_deepspeeds(path)
+
+
 def resolve(path: str, tag: str | None = None) -> str:
     """The checkpoint directory for ``path``: itself if it holds a manifest, else
     ``path/tag``, else the tag that ``path/latest`` names."""
     if tag is None and os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     if tag is None:
-        latest = os.path.join(path, LATEST)
-        try:
-            with open(latest) as f:
-                tag = f.read().strip()
-        except FileNotFoundError:
+        tag = latest_tag(path)
+        if tag is None:
+            _refuse_deepspeeds(path)
             if not os.path.isdir(path):
                 raise CheckpointError(f"{path}: no such directory") from None
             raise CheckpointError(f"{path}: no checkpoint here (neither {MANIFEST} nor {LATEST}); "
@@ -216,10 +240,7 @@ def resolve(path: str, tag: str | None = None) -> str:
         raise CheckpointError(f"{path} has no checkpoint tagged {tag!r}; "
                               + (f"its tags: {', '.join(tags)}" if tags else "it holds no complete checkpoint"))
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        if glob.glob(os.path.join(glob.escape(directory), "*model_states.pt")):
-            raise CheckpointError(f"{directory} is a DeepSpeed checkpoint, which offload does not load; turn it into "
-                                  "weights with DeepSpeed's zero_to_fp32.py (--safe_serialization) and start from "
-                                  "those (offload.initialize(model, config, weights=DIR))")
+        _refuse_deepspeeds(directory)
         raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
     return directory
 

@@ -46,6 +46,7 @@ from offload.checkpoint.format import (
     encode_manifest,
     fsync_dir,
     file_crc32,
+    holds_checkpoint,
     rank_file,
     read_manifest,
     resolve,
@@ -151,6 +152,10 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     return final
 
 
+def _resolve_any(load_dir: str, tag: str | None) -> str | None:
+    return resolve(load_dir, tag) if tag is not None or holds_checkpoint(load_dir) else None
+
+
 def _require_step_boundary(engine: Checkpointable, progress: TrainingState, what: str) -> None:
     """Between optimizer steps no gradient is pending, so none is lost or mixed in."""
     if engine.pending_micro_steps:
@@ -242,16 +247,26 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
         os.replace(latest + ".partial", latest)
         fsync_dir(save_dir)
     except OSError as exc:  # the checkpoint stands: say so, rather than call it failed
-        raise StorageError(exc.errno, f"{final} is complete, but {latest} could not be made to name it "
-                           f"({exc.strerror}); load it with tag={manifest.tag!r}") from None
+        what = f"{latest} could not be made to name it" if save_latest else f"syncing {save_dir} failed"
+        raise StorageError(exc.errno, f"{final} is complete, but {what} ({exc.strerror}); load it with "
+                           f"tag={manifest.tag!r}") from None
 
 
-def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str, dict]:
-    """Restore the state ``save`` wrote; a collective. Returns (directory, client_state).
-    A checksum failure part-way leaves the engine's state partly replaced:
-    load another checkpoint or rebuild the engine."""
+def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str | None, dict | None]:
+    """Restore the state ``save`` wrote; a collective. Returns (directory,
+    client_state), or, as DeepSpeed's, (None, None) with a warning where
+    ``load_dir`` holds nothing to load and no tag is given. A checksum failure
+    part-way leaves the engine's state partly replaced: load another
+    checkpoint or rebuild the engine."""
     _require_step_boundary(engine, engine.training_state(), "load_checkpoint")
-    directory = _agree(resolve, engine.rank == 0, load_dir, tag)[0]  # one tag for all, even if latest moves
+    # Rank 0 decides for all: one tag, even if latest moves; nothing to load on every rank or on none.
+    directory = _agree(_resolve_any, engine.rank == 0, load_dir, tag)[0]
+    if directory is None:
+        if engine.rank == 0:
+            warnings.warn(f"offload: {load_dir} holds no checkpoint (no {LATEST} file): nothing loaded, and "
+                          "load_checkpoint returns (None, None) as DeepSpeed's does; pass a tag to load one",
+                          UserWarning, stacklevel=3)
+        return None, None
     loaded = {}
 
     def prepare() -> None:

@@ -40,6 +40,11 @@ def output_directory(text: str) -> str:
     """A directory to write into: it may exist, as a directory, or be made in one that exists."""
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a file; name a directory to write the model into")
+    if os.path.isdir(text):  # only it is written (a volume mounted there, say, in a read-only tree)
+        why = unwritable(text)
+        if why:
+            raise argparse.ArgumentTypeError(f"cannot write in {text} ({why}); pick another place")
+        return text
     return _in_existing_directory(text)
 
 

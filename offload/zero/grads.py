@@ -96,9 +96,11 @@ class GradientReducer:
         slot = self.slot_of[param]
         if not self.in_backward:
             param.grad = None  # not kept for the next backward to add to
-            raise UsageError(f"{slot.name} got a gradient outside engine.backward (loss.backward()?): the engine "
+            raise UsageError(f"{slot.name} got a gradient from a backward its engine did not start: the engine "
                              "scales the loss, and reduces and steps gradients only in its own backward; call "
-                             "engine.backward(loss) in place of loss.backward()")
+                             "engine.backward(loss) in place of loss.backward(); a backward through this model "
+                             "that another started (a GAN's generator loss through its discriminator) is not "
+                             "supported")
         if self.ordered:
             if slot.offset in self._fired:
                 raise UsageError(

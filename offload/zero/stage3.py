@@ -288,7 +288,7 @@ class PartitionedWeights:
                                                  slot.numel <= zero.stage3_param_persistence_threshold)
         if self.tier == "nvme" and in_cpu:
             _say_what_stays_in_cpu(parts, in_cpu, param_cfg.max_in_cpu)
-        if self._managed and all(m.persistent for m in self._managed.values()):
+        if layout.rank == 0 and self._managed and all(m.persistent for m in self._managed.values()):
             held = "" if self.tier == "none" else f", and offload_param.device {self.tier!r} holds none"
             warnings.warn(f"offload: every parameter has at most zero_optimization.stage3_param_persistence_threshold "
                           f"({zero.stage3_param_persistence_threshold:,}) elements, so all stay whole on every "

@@ -41,10 +41,12 @@ train: install
 	$(PYTHON) -m offload train
 
 # The tests also use the optional extra [hf] (transformers: Hugging Face models
-# built from their configs), installed from pyproject.toml's list without
+# built from their configs), installed from the installed package's own list
+# (its metadata: Python 3.10 has no tomllib to read pyproject.toml) without
 # building the package again. It comes from the network; where there is none
 # the install says so and those tests skip.
-HF_EXTRA = $(shell $(PYTHON) -c "import shlex, tomllib; print(shlex.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['hf']))")
+HF_EXTRA = $(shell $(PYTHON) -c "import shlex; from importlib.metadata import requires; \
+	print(shlex.join(r.split(';')[0].strip() for r in requires('offload') if r.endswith('extra == \"hf\"')))")
 $(HF_STAMP): $(STAMP)
 	@$(PYTHON) -m pip install $(HF_EXTRA) || echo "offload: the extra [hf] could not be installed; the Hugging Face tests will skip"
 	@mkdir -p $(@D) && touch $@

@@ -454,6 +454,10 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_param.buffer_size", z.stage < 3 or op.device == "none",
          "only stage 3 weights in cpu or nvme are checked against it"),
         ("zero_optimization.offload_param.buffer_count", op.device != "nvme", "host weight buffers serve device nvme only"),
+        ("zero_optimization.offload_param.pin_memory", z.stage < 3 or op.device == "none",
+         "only stage 3 weights in cpu or nvme have host buffers to pin"),
+        ("zero_optimization.offload_optimizer.pin_memory", oo.device == "none",
+         "the optimizer is on the accelerator: no gradient leaves it"),
         ("zero_optimization.offload_param.max_in_cpu", op.device != "nvme", "it needs offload_param.device nvme"),
         ("zero_optimization.offload_param.nvme_path", op.device != "nvme", "offload_param.device is not nvme"),
         ("zero_optimization.offload_optimizer.nvme_path", oo.device != "nvme", "offload_optimizer.device is not nvme"),
@@ -477,8 +481,8 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
     for f in dataclasses.fields(SchedulerParams):
         rules.append((f"scheduler.params.{f.name}", f.name not in SCHEDULES.get(schedule, ()),
                       "no scheduler.type is set" if schedule is None else f"{schedule} does not read it"))
-    for key in ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_direct"):
-        ignored = c.aio.backend == "aiofiles" and key != "block_size"
+    for key in ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_direct", "backend"):
+        ignored = c.aio.backend == "aiofiles" and key not in ("block_size", "backend")
         rules.append((f"aio.{key}", no_nvme or ignored, "no tier is on nvme" if no_nvme else
                       "the aiofiles backend is buffered and moves one chunk at a time"))
     return [(key, why) for key, applies, why in rules if applies and key in given]

@@ -279,13 +279,14 @@ class Engine:
         return self.train(False)
 
     @_while_open
-    def backward(self, loss, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
         unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
         normalised over the whole accumulated batch). ``loss`` is the scalar
         tensor, or a model output holding it: an object with a ``.loss`` (a
         Hugging Face ``ModelOutput``), a dict with ``"loss"``, or a tuple whose
-        first element is the loss."""
+        first element is the loss. Returns that loss tensor, as given, as
+        DeepSpeed's returns the loss (``loss = engine.backward(loss)``)."""
         loss = _loss_of(loss)
         self._refuse_changed_freezing()
         if self._backward_raised:  # what it computed joins the window, as in torch's .grad
@@ -314,6 +315,7 @@ class Engine:
         self.pending_micro_steps += 1
         self._stepped_since_backward = False
         self._window_ended = last
+        return loss
 
     def _end_backward(self, complete: bool = True) -> None:
         self.reducer.end_of_backward(complete)

@@ -219,6 +219,11 @@ def test_deepspeeds_lowercase_optimizer_names_are_accepted():
     ({"aio": {"queue_depth": 8}}, "aio.queue_depth (no tier is on nvme"),
     ({"aio": {"thread_count": 2, "backend": "aiofiles"},
       "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}, "aio.thread_count (the aiofiles backend"),
+    ({"aio": {"backend": "aiofiles"}}, "aio.backend (no tier is on nvme"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"pin_memory": True}}},
+     "zero_optimization.offload_param.pin_memory (only stage 3 weights in cpu or nvme"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}}},
+     "zero_optimization.offload_optimizer.pin_memory (the optimizer is on the accelerator"),
 ])
 def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
     with pytest.warns(UserWarning) as caught:
@@ -232,6 +237,9 @@ def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
                            "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0, "buffer_count": 4}}},
     {"fp16": {"enabled": True, "hysteresis": 4, "consecutive_hysteresis": True}},
     {"aio": {"queue_depth": 8, "use_direct": False}, "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+    {"aio": {"backend": "aiofiles"}, "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x",
+                                                                                 "pin_memory": True}}},
+    {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
 ])
 def test_settings_that_act_are_not_warned_about(data):
     with warnings.catch_warnings():

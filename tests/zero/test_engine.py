@@ -433,7 +433,8 @@ def test_loss_backward_in_place_of_engine_backward_is_refused_and_leaks_nothing(
                                          r"call engine.backward\(loss\) in place of loss.backward\(\)"):
         engine(batch(9, 0, 0)).backward()
     for step in range(2):
-        engine.backward(engine(batch(step, 0, 0)))
+        loss = engine(batch(step, 0, 0))
+        assert engine.backward(loss) is loss  # as DeepSpeed's: loss = engine.backward(loss)
         engine.step()
     ref = train_reference(make_model(), 2, 1, 1, cfg)
     assert engine.global_steps == 2 and max_difference(engine.state_dict(), ref) < 1e-5

@@ -265,9 +265,10 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
         raise UsageError(f"offload.from_pretrained needs transformers >= 5 (found {transformers.__version__}): earlier "
                          "versions' _init_weights leave buffers such as rotary frequencies unset on a model built "
                          "on the meta device; pip install -U 'transformers>=5'")
+    takes = ("offload.from_pretrained takes a transformers model class (LlamaForCausalLM) or an Auto class "
+             "(AutoModelForCausalLM), then the directory, then the config")
     if config is None:
-        raise UsageError("offload.from_pretrained takes a transformers model class (LlamaForCausalLM) or an Auto "
-                         "class (AutoModelForCausalLM), then the directory, then the config; the config is missing")
+        raise UsageError(f"{takes}; the config is missing")
     if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
         model_config = model_class.config_class.from_pretrained(path)
         build = model_class
@@ -275,8 +276,7 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
         model_config = transformers.AutoConfig.from_pretrained(path)
         build = model_class.from_config
     else:
-        raise UsageError(f"offload.from_pretrained takes a transformers model class (LlamaForCausalLM) or an Auto "
-                         f"class (AutoModelForCausalLM), then the directory, then the config; got {model_class!r}")
+        raise UsageError(f"{takes}; got {model_class!r}")
     with offload.init(config, nvme_path=nvme_path):
         model = build(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,

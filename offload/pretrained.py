@@ -38,11 +38,12 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 
 import torch
 
-from offload.checkpoint.format import fsync_dir, write_synced
+from offload.checkpoint.format import fsync_dir
 from offload.safetensors_file import nbytes, write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -195,18 +196,15 @@ def _saved_dtype(config: str, plan: Plan) -> str:
     return json.dumps(values, indent=2, sort_keys=True) + "\n"
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    write_synced(path + ".partial", data)
-    os.replace(path + ".partial", path)
-
-
-def write_torch_file(path: str, state: dict[str, torch.Tensor]) -> None:
-    """``torch.save`` of ``state`` to ``path``, which appears complete or not at
-    all (written beside, synced, then renamed)."""
+@contextlib.contextmanager
+def _beside(path: str) -> Iterator[BinaryIO]:
+    """A file to write ``path``'s content into, which appears at ``path``
+    complete or not at all: written beside, synced, then renamed; removed if
+    the writing fails."""
     partial = path + ".partial"
     try:
         with open(partial, "wb") as f:
-            torch.save(state, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -214,3 +212,14 @@ def write_torch_file(path: str, state: dict[str, torch.Tensor]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
         raise
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with _beside(path) as f:
+        f.write(data)
+
+
+def write_torch_file(path: str, state: dict[str, torch.Tensor]) -> None:
+    """``torch.save`` of ``state`` to ``path``, which appears complete or not at all."""
+    with _beside(path) as f:
+        torch.save(state, f)

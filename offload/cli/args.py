@@ -41,10 +41,7 @@ def output_directory(text: str) -> str:
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a file; name a directory to write the model into")
     if os.path.isdir(text):  # only it is written (a volume mounted there, say, in a read-only tree)
-        why = unwritable(text)
-        if why:
-            raise argparse.ArgumentTypeError(f"cannot write in {text} ({why}); pick another place")
-        return text
+        return _writable(text)
     return _in_existing_directory(text)
 
 
@@ -52,10 +49,15 @@ def _in_existing_directory(text: str) -> str:
     parent = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
-    why = unwritable(parent)
-    if why:
-        raise argparse.ArgumentTypeError(f"cannot write in {parent} ({why}); pick another place")
+    _writable(parent)
     return text
+
+
+def _writable(directory: str) -> str:
+    why = unwritable(directory)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write in {directory} ({why}); pick another place")
+    return directory
 
 
 def unwritable(directory: str) -> str | None:

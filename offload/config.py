@@ -135,7 +135,8 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = _f(None, "directory for swap files (device nvme)")
     pin_memory: bool = _f(True, "pin the host buffers gradients and weights cross the bus in, when CUDA is "
                           "available (the optimizer state never crosses and is never pinned)")
-    buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pool cap)", ge=2)
+    buffer_count: int = _f(4, "sub-group buffers the nvme pipeline may hold at once (pool cap); with overlap_step, "
+                              "also the most sub-groups speculated on per step", ge=2)
     pipeline_read: bool = _f(True, "nvme: read sub-group i+1 while i is updated")
     pipeline_write: bool = _f(True, "nvme: write sub-group i-1 back while i is updated")
     gradients_on_nvme: bool = _f(False, "nvme: keep the fp32 owned gradient in swap files too, not in host memory")
@@ -461,7 +462,9 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_param.max_in_cpu", op.device != "nvme", "it needs offload_param.device nvme"),
         ("zero_optimization.offload_param.nvme_path", op.device != "nvme", "offload_param.device is not nvme"),
         ("zero_optimization.offload_optimizer.nvme_path", oo.device != "nvme", "offload_optimizer.device is not nvme"),
-        ("zero_optimization.offload_optimizer.buffer_count", oo.device != "nvme", "it sizes the nvme pipeline"),
+        ("zero_optimization.offload_optimizer.buffer_count",
+         oo.device != "nvme" and not (oo.device == "cpu" and oo.overlap_step and z.stage > 1),
+         "it sizes the nvme pipeline, and bounds the sub-groups overlap_step speculates on"),
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),

@@ -214,6 +214,8 @@ def test_deepspeeds_lowercase_optimizer_names_are_accepted():
      "zero_optimization.offload_param.buffer_size (only stage 3 weights in cpu or nvme"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 8}}},
      "zero_optimization.offload_optimizer.buffer_count (it sizes the nvme pipeline"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "buffer_count": 8, "overlap_step": True}}},
+     "zero_optimization.offload_optimizer.buffer_count (it sizes the nvme pipeline"),
     ({"fp16": {"hysteresis": 4}}, "fp16.hysteresis (fp16 is not enabled"),
     ({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 10}}, "fp16.loss_scale_window (the loss scale is static"),
     ({"aio": {"queue_depth": 8}}, "aio.queue_depth (no tier is on nvme"),
@@ -240,6 +242,7 @@ def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
     {"aio": {"backend": "aiofiles"}, "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x",
                                                                                  "pin_memory": True}}},
     {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
+    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8, "overlap_step": True}}},
 ])
 def test_settings_that_act_are_not_warned_about(data):
     with warnings.catch_warnings():

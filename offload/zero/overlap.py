@@ -44,6 +44,14 @@ else then writes that range), forgets the sums taken, and speculates no
 more; ``step()`` rolls back what was speculated and runs the plain step,
 which counts as a rollback.
 
+Note [what the worker has not started]
+Whoever joins the worker (``step()``, or a reader of the state) takes back
+the sub-groups it has not started: their gradient parts land on the joining
+thread, and ``step()`` sums their squares and steps them as usual. Waiting
+for them instead would put the worker's backlog on the critical path, worked
+through slower than the plain step does it (at a lower priority, keeping the
+old state): with a GPU, backward may end long before the worker catches up.
+
 Note [worker priority]
 On Linux the worker runs at nice ``WORKER_NICE`` above the process (the
 OpenMP threads it starts for the CPU Adam inherit it). When backward computes
@@ -108,7 +116,7 @@ class OverlappedStep:
         self._meets = {i: sum(1 for _ in layout.buckets_meeting(lo, hi)) for i, (lo, hi) in enumerate(groups)}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-overlap",
                                                              initializer=_below_backward)
-        self._tasks: list[concurrent.futures.Future] = []
+        self._tasks: list[tuple[concurrent.futures.Future, list, tuple | None]] = []  # (task, its landing, its bases)
         self._active = False
         self._left: dict[int, int] = {}
         self._sums: dict[int, float] = {}
@@ -158,7 +166,7 @@ class OverlappedStep:
                 landing = self.gradient.take_landing(g_lo, g_hi)
                 speculate = self._speculating and not self._spoiled and len(self._tasks) < self.budget
                 bases = self._bases_for(g_lo, g_hi) if speculate else None
-                self._tasks.append(self._worker.submit(self._complete, i, landing, bases))
+                self._tasks.append((self._worker.submit(self._complete, i, landing, bases), landing, bases))
 
     def _spoil(self) -> None:
         """Note [a gradient that comes twice]."""
@@ -231,10 +239,18 @@ class OverlappedStep:
         return self.gradient.stats(known=self._sums)
 
     def _join(self) -> None:
+        """Wait for the sub-group the worker is on; those it has not started are
+        taken back (Note [what the worker has not started])."""
         start = time.perf_counter()
-        for task in self._tasks:
-            task.result()  # re-raises the worker's error here
+        taken = [(landing, bases) for task, landing, bases in self._tasks if task.cancel()]
+        for task, _, _ in self._tasks:
+            if not task.cancelled():
+                task.result()  # re-raises the worker's error here
         self._tasks = []
+        for landing, bases in taken:
+            self.gradient.apply_landing(landing)
+            if bases is not None:
+                self._spare.append(bases)
         self.join_seconds += time.perf_counter() - start
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:

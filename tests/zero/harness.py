@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.utils.checkpoint
 
 import offload
+from offload.zero.overlap import OverlappedStep
 
 VOCAB, DIM, SEQ, BATCH = 61, 24, 12, 3
 Groups = Callable[[nn.Module], list[dict]]  # a model's parameter groups, as torch optimizers take them
@@ -130,6 +131,21 @@ def train_engine(model: nn.Module, steps: int, accumulation: int, cfg: dict, ran
 def max_difference(engine_state: dict, ref: nn.Module) -> float:
     ref_state = ref.state_dict()
     return max((engine_state[k].float() - ref_state[k].float()).abs().max().item() for k in ref_state)
+
+
+def let_the_worker_finish(patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Note [what the worker has not started]: joining the overlapped step's
+    worker takes back the sub-groups it has not started, so how many it
+    stepped depends on timing. Tests that count them (kept, rollbacks) have
+    every join wait for the worker to work through its queue first.
+    ``patch``: a monkeypatch's setattr, or setattr itself in a spawned rank."""
+    join = OverlappedStep._join
+
+    def after_the_queue(self) -> None:
+        self._worker.submit(lambda: None).result()  # one worker thread: its queue, in order
+        join(self)
+
+    patch(OverlappedStep, "_join", after_the_queue)
 
 
 def free_port() -> int:

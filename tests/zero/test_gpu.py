@@ -51,6 +51,7 @@ def _reference(cfg: dict, accumulation: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("stage,device,param_device,overlap", CASES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.usefixtures("worker_finishes_its_queue")  # counts what the worker stepped
 def test_cuda_matches_adamw(tmp_path, stage, device, param_device, overlap, precision):
     accumulation = 2
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}

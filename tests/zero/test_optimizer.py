@@ -62,6 +62,7 @@ def test_pipelining_changes_when_not_what(tmp_path):
 
 
 @pytest.mark.parametrize("overlap_step", [False, True], ids=["plain", "overlap_step"])
+@pytest.mark.usefixtures("worker_finishes_its_queue")  # counts what the worker stepped
 def test_every_write_back_of_a_step_brings_its_adam_pass_crcs(tmp_path, overlap_step):
     """Note [checksums in the Adam pass]: a stepped sub-group's state is not
     read once more to checksum it, whether its step ran in step() or during

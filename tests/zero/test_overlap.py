@@ -9,6 +9,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -20,10 +21,11 @@ from offload.optim.grad_stats import sum_squares
 from offload.zero import overlap
 from offload.zero.grads import GradientReducer
 
-from .harness import (TinyLM, batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks,
-                      train_reference)
+from .harness import (TinyLM, batch, config, finish_rank, init_gloo, let_the_worker_finish, make_model,
+                      max_difference, spawn_ranks, train_reference)
 
-pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+pytestmark = [pytest.mark.skipif(not _native.status().available, reason="native library not built"),
+              pytest.mark.usefixtures("worker_finishes_its_queue")]  # these tests count what the worker stepped
 
 STEPS = 6
 CASES = list(itertools.product([2, 3], ["cpu", "nvme"], [1, 2], [0.5, 1e6]))  # stage, tier, accumulation, clip
@@ -199,6 +201,49 @@ def test_the_worker_and_its_adam_threads_run_below_backward(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("stage,device", [(2, "cpu"), (2, "nvme"), (3, "nvme")])
+@pytest.mark.parametrize("clip", [0.5, 1e6])
+def test_step_takes_back_what_the_worker_has_not_started(tmp_path, monkeypatch, stage, device, clip):
+    """Note [what the worker has not started]: the worker starts the first
+    sub-group of each backward, and is held there until the step has taken
+    back the others, so that one alone is speculated; the step is still
+    bitwise the plain one."""
+    monkeypatch.undo()  # the module's worker_finishes_its_queue: not here
+    take, join, held_for = overlap.OverlappedStep._take, overlap.OverlappedStep._join, []
+
+    def held(self, i, landing, bases):
+        tasks = self._tasks
+        if not any(t is tasks for t in held_for):  # this backward's first sub-group
+            held_for.append(tasks)
+            deadline = time.monotonic() + 5
+            while not (len(tasks) > 1 and all(task.cancelled() for task, _, _ in tasks[1:])) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.001)
+        take(self, i, landing, bases)
+
+    def once_started(self):
+        tasks = self._tasks
+        while tasks and not any(t is tasks for t in held_for):
+            time.sleep(0.001)
+        join(self)
+
+    monkeypatch.setattr(overlap.OverlappedStep, "_take", held)
+    monkeypatch.setattr(overlap.OverlappedStep, "_join", once_started)
+    plain = _train(_config(tmp_path, stage, device, 1, clip, False), 1)
+    over = _train(_config(tmp_path, stage, device, 1, clip, True), 1)
+    expected, state = plain.state_dict(), over.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    ref = train_reference(make_model(), STEPS, 1, 1, _config(tmp_path, stage, device, 1, clip, False))
+    assert max_difference(state, ref) < 1e-5
+    assert len(held_for) == STEPS
+    if clip < 1.0:
+        assert over.update.rollbacks == STEPS and over.update.kept == 0
+    else:
+        assert over.update.rollbacks == 0 and over.update.kept == STEPS
+    plain.close()
+    over.close()
+
+
 class _Reentrant(TinyLM):
     """blocks[0] runs in two reentrant checkpointed segments: its weights get
     their gradient twice in one backward, so their bucket is reduced twice."""
@@ -218,7 +263,7 @@ def test_a_gradient_that_comes_twice_rolls_back_to_the_plain_step(tmp_path, monk
 
     def after_the_worker(self, bucket, full):
         if engines and isinstance(engines[-1].update, overlap.OverlappedStep):
-            concurrent.futures.wait(engines[-1].update._tasks)
+            concurrent.futures.wait([task for task, _, _ in engines[-1].update._tasks])
         real(self, bucket, full)
 
     monkeypatch.setattr(GradientReducer, "_reduce", after_the_worker)
@@ -241,6 +286,7 @@ def test_a_gradient_that_comes_twice_rolls_back_to_the_plain_step(tmp_path, monk
 
 def _world2_worker(rank: int, port: int, out_dir: str) -> None:
     init_gloo(rank, 2, port)
+    let_the_worker_finish()
     results = {}
     for stage, device, clip in [(2, "nvme", 1e6), (3, "cpu", 0.5), (3, "nvme", 1e6)]:
         nvme = os.path.join(out_dir, f"nvme{rank}")

@@ -81,6 +81,7 @@ RATES = [1e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3, 3e-3]  # of optimizer steps 1-7
 @pytest.mark.parametrize("stage,device,param_device,overlap_step",
                          [(2, "cpu", None, False), (3, "nvme", "cpu", False), (1, "none", None, False),
                           (2, "nvme", None, True)])
+@pytest.mark.usefixtures("worker_finishes_its_queue")  # counts what the worker stepped
 def test_the_engine_trains_like_adamw_given_the_same_rates(tmp_path, stage, device, param_device, overlap_step):
     """With overlap_step (and no clipping, so no step is rolled back) sub-groups
     step during backward, at the rate the schedule set after the previous step."""

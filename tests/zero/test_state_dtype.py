@@ -207,6 +207,7 @@ def test_resuming_is_bitwise_and_checkpoints_move_between_formats(tmp_path, stag
                           (2, "nvme", "float32", "int8", 1e6), (2, "cpu", "bfloat16", "bfloat16", 1e6),
                           (2, "cpu", "bfloat16", "bfloat16", 0.5), (3, "nvme", "bfloat16", "int8", 1e6),
                           (3, "cpu", "bfloat16", "int8", 1e6), (3, "cpu", "bfloat16", "bfloat16", 0.5)])
+@pytest.mark.usefixtures("worker_finishes_its_queue")  # counts what the worker stepped
 def test_the_overlapped_step_is_bitwise_the_plain_one(tmp_path, stage, device, master_dtype, state_dtype, clip):
     states = []
     for overlap in (False, True):

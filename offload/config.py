@@ -4,11 +4,12 @@ Every field is a keyword-only dataclass field with its DeepSpeed key name, its
 default and its bounds. ``Config.load`` takes a path, a dict or a Config and
 checks everything at the edge:
 
-  - an unknown key is an error naming it and the nearest valid key;
+  - unknown keys are one error naming each, with the nearest valid key;
   - a DeepSpeed key that only tunes DeepSpeed's own internals is accepted, and
     all such keys are listed in one warning (``TUNING_KEYS``);
   - a DeepSpeed key whose meaning this engine does not implement is an error
-    saying so (``REFUSED_KEYS``);
+    saying so (``REFUSED_KEYS``), or, for a feature DeepSpeed leaves off by
+    default, only when it is switched on (``OFF_KEYS``);
   - a wrong type or an out-of-range value is an error naming the field.
 """
 
@@ -324,11 +325,15 @@ class Config:
             raise ConfigError(f"{', '.join(autos)} {'is' if len(autos) == 1 else 'are'} \"auto\", which only the Hugging "
                               "Face Trainer fills in (use offload.hf.OffloadTrainer, which resolves them from its "
                               "TrainingArguments); elsewhere give each a value")
-        tuning: list[str] = []
-        given: set[str] = set()
-        config = _build(Config, data, "", tuning, given)
+        unknown = _unknown_keys(Config, data, "")
+        if unknown:
+            raise ConfigError(unknown[0] if len(unknown) == 1 else
+                              f"{len(unknown)} unknown keys:\n  " + "\n  ".join(unknown))
+        reading = _Reading()
+        config = _build(Config, data, "", reading)
+        tuning = reading.tuning
         idle = [f"{', '.join(sorted(tuning))} (they tune DeepSpeed's own internals)"] if tuning else []
-        idle += [f"{key} ({why})" for key, why in _without_effect(config, given)]
+        idle += [f"{key} ({why})" for key, why in _without_effect(config, reading.given)]
         if idle:
             warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=2)
         return config
@@ -405,12 +410,15 @@ def _named(given: str | None, key: str, deepspeed_key: str) -> str:
 TUNING_KEYS = {
     "": {"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "zero_allow_untested_optimizer",
          "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "timers", "prescale_gradients",
-         "zero_force_ds_cpu_optimizer"},
+         "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "disable_allgather"},
     "zero_optimization": {"allgather_bucket_size", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
                           "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
                           "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "stage3_max_reuse_distance",
-                          "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
-    "zero_optimization.offload_optimizer": {"fast_init"},
+                          "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                          "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+                          "log_trace_cache_warnings"},
+    "zero_optimization.offload_optimizer": {"fast_init", "cpuadam_cores_perc"},
+    "bf16": {"immediate_grad_update"},
     "aio": {"single_submit", "overlap_events"},  # the native engine always batches submissions and reaps while submitting
     # DeepSpeed picks between its own Adam kernels with these; offload's CPU Adam is the one it has.
     "optimizer.params": {"torch_adam"},
@@ -437,6 +445,27 @@ REFUSED_KEYS = {
     "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
     "fp16": {"auto_cast": "the compute dtype is the config's (the bf16 or fp16 section), the model cast to it; "
                           "auto_cast is not implemented"},
+}
+
+
+def _off(value) -> bool:
+    """A DeepSpeed switch left as DeepSpeed's default leaves it: false, or a
+    section without ``"enabled": true``."""
+    return value is False or (isinstance(value, dict) and value.get("enabled", False) is False)
+
+
+# DeepSpeed switches for features this engine does not implement, off by
+# default: accepted while off (warned about with TUNING_KEYS), refused when on.
+OFF_KEYS = {
+    "": {"torch_autocast": "torch autocast is not implemented; the model computes in the config's dtype (the bf16 "
+                           "or fp16 section), cast to it"},
+    "zero_optimization.offload_optimizer": {
+        "super_offload": "SuperOffload is not implemented; offload_optimizer.overlap_step runs the CPU step during "
+                         "backward, speculatively and exactly"},
+    "bf16": {"check_grad_overflow": "bf16 steps are never skipped for an overflow here"},
+    "fp16": {"fp16_master_weights_and_grads": "fp16 master weights are not implemented; the master is fp32, or "
+                                              "bf16 with bf16.bf16_master_weights_and_grads"},
+    "aio": {"use_gds": "GPUDirect Storage is not implemented"},
 }
 
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
@@ -504,43 +533,82 @@ def _auto_values(data: dict, path: str = "") -> Iterator[str]:
             yield from _auto_values(value, where)
 
 
-def _build(cls, data: Any, path: str, tuning: list[str], given: set[str]):
+@dataclass
+class _Reading:
+    """What building a config met besides its values."""
+
+    tuning: list[str] = field(default_factory=list)  # keys read and set aside (TUNING_KEYS, OFF_KEYS)
+    given: set[str] = field(default_factory=set)  # the keys of values taken
+
+
+def _schema(cls) -> tuple[dict, dict]:
+    """The type hints and fields of a config section; the aio section's
+    ``intra_op_parallelism`` is DeepSpeed's name for its ``thread_count``."""
+    hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    if cls is AioSettings:
+        hints["intra_op_parallelism"], fields["intra_op_parallelism"] = hints["thread_count"], fields["thread_count"]
+    return hints, fields
+
+
+def _set_aside(key: str, value, path: str, reading: _Reading) -> bool:
+    """A DeepSpeed key this engine does not read: noted as tuning (True), or
+    refused; False for a key of its own."""
+    where = f"{path}.{key}" if path else key
+    if key in REFUSED_KEYS.get(path, {}):
+        raise ConfigError(f"{where}: {REFUSED_KEYS[path][key]}; remove it")
+    if key in OFF_KEYS.get(path, {}):
+        if not _off(value):
+            raise ConfigError(f"{where} is on: {OFF_KEYS[path][key]}; remove it")
+    elif key not in TUNING_KEYS.get(path, ()):
+        return False
+    reading.tuning.append(where)
+    return True
+
+
+def _unknown_keys(cls, data: Any, path: str) -> list[str]:
+    """Every key no section knows, with the nearest known one, so that one
+    error names them all."""
+    if not isinstance(data, dict):
+        return []
+    hints, fields = _schema(cls)
+    aside = {*REFUSED_KEYS.get(path, {}), *OFF_KEYS.get(path, {}), *TUNING_KEYS.get(path, ())}
+    found = []
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key in aside:
+            continue
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields) + sorted(aside), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
+            found.append(f"unknown key {where!r}{hint}")
+        elif dataclasses.is_dataclass(hints[key]):
+            found += _unknown_keys(hints[key], value, where)
+    return found
+
+
+def _build(cls, data: Any, path: str, reading: _Reading):
+    """A section from its JSON object, whose keys are all known (``_unknown_keys``)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'the config'} must be a JSON object, got {type(data).__name__}")
-    if cls is AioSettings:
-        given.update(f"{path}.{key}" for key in data)
-        tuning.extend(f"{path}.{key}" for key in data if key in TUNING_KEYS[path])
-        try:
-            return AioSettings.from_dict({k: v for k, v in data.items() if k not in TUNING_KEYS[path]})
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(str(exc)) from None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _schema(cls)
     values = {}
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
-        if key in REFUSED_KEYS.get(path, {}):
-            raise ConfigError(f"{where}: {REFUSED_KEYS[path][key]}; remove it")
-        if key in TUNING_KEYS.get(path, ()):
-            tuning.append(where)
+        if _set_aside(key, value, path, reading):
             continue
-        if key not in fields:
-            near = difflib.get_close_matches(key, list(fields) + sorted(TUNING_KEYS.get(path, ())), n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
-            raise ConfigError(f"unknown key {where!r}{hint}")
-        given.add(where)
-        values[key] = _value(hints[key], fields[key], value, where, tuning, given)
+        reading.given.add(where)
+        values[key] = _value(hints[key], fields[key], value, where, reading)
     try:
-        return cls(**values)
+        return AioSettings.from_dict(values) if cls is AioSettings else cls(**values)
     except ConfigError:
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path or 'config'}: {exc}") from None
 
 
-def _value(hint, f, value, where: str, tuning: list[str], given: set[str]):
-    if dataclasses.is_dataclass(hint) or hint is AioSettings:
-        return _build(hint, value, where, tuning, given)
+def _value(hint, f, value, where: str, reading: _Reading):
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where, reading)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType) and type(None) in args:

@@ -4,11 +4,13 @@ features are refused; types and bounds are checked with the field's name."""
 
 import json
 import os
+import re
 import warnings
 
 import pytest
 
-from offload.config import REFUSED_KEYS, TUNING_KEYS, Config, ConfigError, reference
+from offload.config import OFF_KEYS, REFUSED_KEYS, TUNING_KEYS, Config, ConfigError, reference
+from offload.store.aio import AioSettings
 
 DEEPSPEED_FILE = {
     "train_batch_size": 32,
@@ -131,12 +133,30 @@ def test_defaults_need_no_warning():
          "delayed_update is for stages 1 and 2"),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "stage 3"),
         ({"aio": {"block_size": 1000}}, "aio.block_size must be a positive multiple of 4096"),
-        ({"aio": {"queue_dpeth": 8}}, "unknown key"),
+        ({"aio": {"queue_dpeth": 8}}, "unknown key 'aio.queue_dpeth'; did you mean 'queue_depth'"),
+        ({"aio": {"use_direct": "false"}}, "aio.use_direct must be true or false, got 'false'"),
+        ({"aio": {"use_direct": 0}}, "aio.use_direct must be true or false, got 0"),
+        ({"aio": {"queue_depth": 2.5}}, "aio.queue_depth must be an integer, got 2.5"),
+        ({"aio": {"thread_count": True}}, "aio.thread_count must be an integer, got True"),
+        ({"aio": {"intra_op_parallelism": "2"}}, "aio.intra_op_parallelism must be an integer, got '2'"),
+        ({"aio": {"block_size": "1M"}}, "aio.block_size must be an integer, got '1M'"),
+        ({"aio": {"backend": 1}}, "aio.backend must be a string, got 1"),
+        ({"gradient_clip": 1.0, "zero_optimization": {"stag": 2, "offload_optimizer": {"devcie": "cpu"}}},
+         "3 unknown keys:\n  unknown key 'gradient_clip'; did you mean 'gradient_clipping'?\n  unknown key "
+         "'zero_optimization.stag'; did you mean 'stage'?\n  unknown key 'zero_optimization.offload_optimizer.devcie'"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
+         "zero_optimization.offload_optimizer.super_offload is on: SuperOffload is not implemented; "
+         "offload_optimizer.overlap_step runs"),
+        ({"torch_autocast": {"enabled": True}}, "torch_autocast is on: torch autocast is not implemented"),
+        ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "bf16.check_grad_overflow is on"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+         "fp16.fp16_master_weights_and_grads is on: fp16 master weights are not implemented"),
+        ({"aio": {"use_gds": True}}, "aio.use_gds is on: GPUDirect Storage is not implemented"),
         ({"zero_optimization": []}, "zero_optimization must be a JSON object"),
     ],
 )
 def test_bad_configs_name_the_field(data, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         Config.load(data)
 
 
@@ -179,6 +199,37 @@ def test_a_key_given_twice_is_refused_by_name(tmp_path):
         Config.load(str(twice))
 
 
+def test_deepspeeds_newer_keys_at_their_defaults_are_named_in_the_one_warning():
+    """Keys DeepSpeed 0.19 writes into configs, at its defaults: accepted and
+    named as tuning only DeepSpeed (or as DeepSpeed features left off)."""
+    data = {"dataloader_drop_last": False, "disable_allgather": False, "torch_autocast": {"enabled": False},
+            "bf16": {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": False},
+            "zero_optimization": {"stage3_module_granularity_threshold": 0, "log_trace_cache_warnings": False,
+                                  "stage3_use_all_reduce_for_fetch_params": False,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "cpuadam_cores_perc": 0.8,
+                                                        "super_offload": False}},
+            "aio": {"use_gds": False}}
+    with pytest.warns(UserWarning) as caught:
+        config = Config.load(data)
+    (warning,) = caught
+    named = str(warning.message).split(" (they tune DeepSpeed's own internals)")[0].split("no effect here: ")[1]
+    assert named.split(", ") == sorted(["dataloader_drop_last", "disable_allgather", "torch_autocast",
+                                        "bf16.immediate_grad_update", "bf16.check_grad_overflow",
+                                        "zero_optimization.stage3_module_granularity_threshold",
+                                        "zero_optimization.log_trace_cache_warnings",
+                                        "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+                                        "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+                                        "zero_optimization.offload_optimizer.super_offload", "aio.use_gds"])
+    assert config.bf16.enabled and config.zero_optimization.offload_optimizer.device == "nvme"
+
+
+def test_a_whole_number_aio_size_written_as_a_float_is_an_integer():
+    config = Config.load({"aio": {"block_size": 1048576.0, "queue_depth": 8.0},
+                          "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+    assert config.aio == AioSettings(block_size=1 << 20, queue_depth=8)
+    assert type(config.aio.block_size) is int and type(config.aio.queue_depth) is int
+
+
 def test_reference_documents_every_key():
     keys = {key for key, _, doc in reference()}
     assert "zero_optimization.offload_optimizer.nvme_path" in keys and "aio.queue_depth" in keys
@@ -193,7 +244,7 @@ def test_readme_documents_every_key():
 
 def test_the_readme_lists_every_refused_and_ignored_key():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
-    for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()):
+    for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()) + list(OFF_KEYS.items()):
         for key in keys:
             assert f"`{section + '.' if section else ''}{key}`" in readme, key
 

@@ -128,6 +128,7 @@ class Engine:
         self.config = config
         if is_meta(model):
             init_fn = adapter_init(model, init_fn or model_init(model))  # Note [LoRA on the meta device]
+        comm.join_the_launch()
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
@@ -209,6 +210,7 @@ class Engine:
         self._stepped_since_backward = True  # step() was called after the last backward (or none ran yet)
         self.global_steps = 0
         self.skipped_steps = 0
+        self._step_applied = False
         if self.schedule is not None:
             self.optimizer.lr = self.schedule.rate(0)
         self.last_grad_norm: float | None = None
@@ -279,10 +281,12 @@ class Engine:
         return self.train(False)
 
     @_while_open
-    def backward(self, loss, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
         unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
-        normalised over the whole accumulated batch). ``loss`` is the scalar
+        normalised over the whole accumulated batch); ``retain_graph`` keeps
+        the graph for another loss of the same forward, whose backward adds to
+        the window, as torch's (DeepSpeed's arguments). ``loss`` is the scalar
         tensor, or a model output holding it: an object with a ``.loss`` (a
         Hugging Face ``ModelOutput``), a dict with ``"loss"``, or a tuple whose
         first element is the loss. Returns that loss tensor, as given, as
@@ -304,11 +308,11 @@ class Engine:
         self._backward_raised = True  # until it returns
         self.reducer.in_backward = True
         try:
-            (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward()
+            (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward(retain_graph=retain_graph)
         finally:
             self.reducer.in_backward = False
         self._backward_raised = False
-        self._end_backward()
+        self._end_backward(graph_kept=retain_graph)
         if self.config.zero_optimization.stage == 3:
             comm.check_same_collectives("backward")  # Note [same collectives]
         self.micro_steps += 1
@@ -317,10 +321,10 @@ class Engine:
         self._window_ended = last
         return loss
 
-    def _end_backward(self, complete: bool = True) -> None:
+    def _end_backward(self, complete: bool = True, graph_kept: bool = False) -> None:
         self.reducer.end_of_backward(complete)
         self.update.end_backward()
-        self.weights.end_backward()
+        self.weights.end_backward(graph_kept)
 
     def _refuse_changed_freezing(self) -> None:
         """The engine trains the parameters trainable when it was made: it
@@ -370,6 +374,25 @@ class Engine:
         """As in DeepSpeed: micro batch x accumulation x world size (Note [batch sizes])."""
         return self.batch.train_batch_size
 
+    def zero_optimization_stage(self) -> int:
+        """As in DeepSpeed."""
+        return self.config.zero_optimization.stage
+
+    def was_step_applied(self) -> bool:
+        """As in DeepSpeed: the last ``step()`` updated the weights (not between
+        accumulation boundaries, nor skipped for an fp16 overflow)."""
+        return self._step_applied
+
+    @property
+    def global_samples(self) -> int:
+        """As in DeepSpeed: the samples of all ranks over the steps taken."""
+        return self.global_steps * self.batch.train_batch_size
+
+    @property
+    def local_rank(self) -> int:
+        """As in DeepSpeed: this process's rank on its node (torchrun's LOCAL_RANK)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
     def zero_grad(self) -> None:
         """Gradients are consumed by the reducer as they are produced; kept for API compatibility."""
         for slot in self.layout.slots:
@@ -384,6 +407,7 @@ class Engine:
     def step(self) -> None:
         """The optimizer step, at gradient-accumulation boundaries only."""
         self._stepped_since_backward = True
+        self._step_applied = False
         if not self._window_ended:
             return
         if self._holding:
@@ -404,6 +428,7 @@ class Engine:
         else:
             self.update.apply(multiplier, self.global_steps, self.times)
             self.scaler.update(overflow=False)
+            self._step_applied = True
         self.global_steps += 1
         if self.schedule is not None:
             self.optimizer.lr = self.schedule.rate(self.applied_steps)
@@ -683,7 +708,7 @@ class Engine:
             raise UsageError(f"load_checkpoint({', '.join(partial)}) is not supported: a checkpoint restores all of "
                              "the training state; to start afresh from its weights alone, offload export it and "
                              "pass the file as offload.initialize(model, config, weights=FILE)")
-        return checkpoint.load(self, os.fspath(load_dir), tag)
+        return checkpoint.load(self, os.fspath(load_dir), None if tag is None else str(tag))
 
     @property
     def compute_dtype_name(self) -> str:

@@ -159,9 +159,7 @@ def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) ->
     if made.reporting:
         made.out_dirs = _make_out_dir(made.out)  # now, not after the run
         print(_header(args, config, made), file=sys.stderr, flush=True)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not torch.distributed.is_initialized():
-        _init_distributed()
-        made.process_group = True
+    made.process_group = comm.join_the_launch()
     rank, world = comm.world()
     data = ByteBatches(stdlib_corpus(), seq_len, config.batch(world).micro, args.seed)
     summary = _train(args, model_config, config, data, rank, world, made)
@@ -181,14 +179,6 @@ def _make_out_dir(out_dir: str) -> list[str]:
     except OSError as exc:
         raise UsageError(f"--out {out_dir}: cannot create it ({exc.strerror}); choose another directory") from None
     return [_shown(d) for d in made]
-
-
-def _init_distributed() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group("nccl")
-    else:
-        torch.distributed.init_process_group("gloo")
 
 
 def _raw_config(args: argparse.Namespace) -> dict:

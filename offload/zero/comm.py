@@ -74,6 +74,20 @@ def _run(name: str, collective, *args, what: str = "", **kwargs) -> None:
                         f"run different modules or compute gradients for different parameters)") from exc
 
 
+def join_the_launch() -> bool:
+    """Under a launcher (torchrun's WORLD_SIZE > 1) with no process group yet,
+    make the default one from the launcher's environment, as
+    ``deepspeed.initialize`` does: otherwise every rank would train a copy of
+    its own, each believing itself alone. NCCL with CUDA (on the local rank's
+    device), gloo without. True if it made the group."""
+    if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
 def world() -> tuple[int, int]:
     """(rank, world size) of the default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

@@ -65,8 +65,22 @@ class StepTimes:
     handover: float = 0.0  # handing new weights to the weights (stage 3: writing them to their tier)
 
 
+TORCH_OPTIMIZER = {"param_groups", "zero_grad", "add_param_group", "state", "defaults", "load_state_dict"}
+
+
 class ShardOptimizer:
     """What both optimizers share: hyper-parameters, sub-groups, the step count."""
+
+    def __getattr__(self, name: str):
+        """``engine.optimizer`` is the engine's own, not a torch optimizer: a
+        script written for DeepSpeed's is told where each thing went."""
+        if name in TORCH_OPTIMIZER:
+            raise AttributeError(f"engine.optimizer is offload's sharded optimizer, not a torch.optim.Optimizer, so it "
+                                 f"has no {name}: engine.get_lr() reads each parameter group's learning rate and "
+                                 f"engine.lr sets the rate (or the config's scheduler does); groups are given as "
+                                 f"offload.initialize(model, config, param_groups=...); engine.zero_grad() and "
+                                 f"engine.save_checkpoint/load_checkpoint hold the rest")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init__(self, numel: int, config: Config, runs: GroupRuns) -> None:
         """``runs``: owned elements whose hyper-parameters are not the config's (Note [parameter groups])."""

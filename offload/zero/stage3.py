@@ -314,7 +314,8 @@ class PartitionedWeights:
         # cannot see, so without removal every pass leaked its graph's nodes, and
         # those small blocks, left inside freed multi-megabyte ones, kept glibc
         # from reusing them: RSS grew every step. Not removed when the next
-        # forward starts: one backward may run through several passes' graphs.
+        # forward starts: one backward may run through several passes' graphs;
+        # nor when a backward keeps its graph (``retain_graph``) for another.
         self._pass_hooks = []
         self._direct_of: dict[torch.nn.Module, list[_Managed]] = {}  # what a module's hooks gather
         self._running: list[torch.nn.Module] = []  # forwards under way, innermost last
@@ -592,12 +593,14 @@ class PartitionedWeights:
         m.backward_refs = 0
         self._release(m)
 
-    def end_backward(self) -> None:
+    def end_backward(self, graph_kept: bool = False) -> None:
         """A backward is over: remove the gradient hooks of the passes it ran
-        through (Note [pass hooks]) and drop every reference left."""
-        for handle in self._pass_hooks:
-            handle.remove()
-        self._pass_hooks.clear()
+        through (Note [pass hooks]), unless ``graph_kept`` for another backward
+        through them, and drop every reference left."""
+        if not graph_kept:
+            for handle in self._pass_hooks:
+                handle.remove()
+            self._pass_hooks.clear()
         self._running.clear()  # recomputation stopped inside a module (Note [gather references])
         self._pass_open = False
         self._drop_references()

@@ -84,8 +84,8 @@ class Weights(Protocol):
     def begin_pass(self) -> None:
         """A forward (and its backward) starts."""
 
-    def end_backward(self) -> None:
-        """A backward pass is over."""
+    def end_backward(self, graph_kept: bool = False) -> None:
+        """A backward pass is over; ``graph_kept``: its graph stays for another (``retain_graph``)."""
 
     def begin_publish(self) -> None: ...
 
@@ -181,7 +181,7 @@ class ReplicatedWeights:
                                  f"offload.initialize; move the model before initialize, and load weights with "
                                  f"engine.load_checkpoint or offload.load_weights")
 
-    def end_backward(self) -> None:
+    def end_backward(self, graph_kept: bool = False) -> None:
         pass
 
     def begin_publish(self) -> None:

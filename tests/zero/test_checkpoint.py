@@ -276,6 +276,18 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
             engine.load_checkpoint(str(tmp_path / "ckpt"))
 
 
+def test_an_integer_tag_loads_as_it_saved(tmp_path):
+    """DeepSpeed scripts pass the step as the tag, to both calls."""
+    engine = saved(tmp_path, tags=(100, 200))
+    expected = engine.state_dict()
+    engine.close()
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        directory, _ = engine.load_checkpoint(str(tmp_path / "ckpt"), tag=200)
+        assert directory == str(tmp_path / "ckpt" / "200")
+        state = engine.state_dict()
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
 def test_fp16_loss_scale_survives(tmp_path):
     cfg = case_config(2, "cpu", None, None, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
     engine = offload.initialize(model(), cfg)

@@ -2,10 +2,14 @@
 model or an NCCL group, else the model's own device (no CUDA needed to check
 the choice)."""
 
+import os
+
 import pytest
 import torch
 
 from offload.zero import comm
+
+from .harness import config, finish_rank, make_model, max_difference, spawn_ranks, train_engine, train_reference
 
 
 @pytest.fixture
@@ -34,3 +38,22 @@ def test_otherwise_the_models_own_device(monkeypatch, two_gpus):
     assert comm.accelerator(torch.empty(3)) == torch.device("cpu") and two_gpus == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert comm.accelerator(torch.empty(3, device="meta")) == torch.device("cpu")
+
+
+def _launched_rank(rank: int, port: int, out_dir: str) -> None:
+    """A rank as torchrun starts it: the environment says where the others
+    are, and the script makes no process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    cfg = config(2, "cpu", 1)
+    engine = train_engine(make_model(), 3, 1, cfg, rank)
+    result = [engine.world, torch.distributed.get_backend(),
+              max_difference(engine.state_dict(), train_reference(make_model(), 3, 2, 1, cfg))]
+    engine.close()
+    finish_rank(out_dir, rank, result)
+
+
+def test_a_rank_torchrun_started_joins_the_others_by_itself(tmp_path):
+    """As deepspeed.initialize: without it each rank trained a copy of its own."""
+    for rank, (world, backend, difference) in enumerate(spawn_ranks(_launched_rank, tmp_path)):
+        assert world == 2 and backend == "gloo" and difference < 1e-5, (rank, world, difference)

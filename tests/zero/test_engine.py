@@ -210,20 +210,42 @@ def test_the_deepspeed_batch_getters_and_boundary_answer_as_there():
         micro = cfg["train_micro_batch_size_per_gpu"]
         assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                 engine.gradient_accumulation_steps()) == (3 * micro, micro, 3)
-        before, between = [], []  # asked before each micro-batch's backward, and between it and its step()
+        assert engine.zero_optimization_stage() == 2 and engine.local_rank == 0 and not engine.was_step_applied()
+        before, between, applied = [], [], []  # asked before each micro-batch's backward, between it and its step()
         for step in range(2):
             for m in range(3):
                 before.append(engine.is_gradient_accumulation_boundary())
                 engine.backward(engine(batch(step, m, 0)))
                 between.append(engine.is_gradient_accumulation_boundary())
                 engine.step()
-        assert before == between == [False, False, True] * 2 and engine.global_steps == 2
+                applied.append(engine.was_step_applied())
+        assert before == between == applied == [False, False, True] * 2 and engine.global_steps == 2
+        assert engine.global_samples == 2 * 3 * micro
         engine.set_gradient_accumulation_boundary(True)  # ends the window at the next backward
         assert engine.is_gradient_accumulation_boundary()
         engine.backward(engine(batch(2, 0, 0)))
         assert engine.is_gradient_accumulation_boundary()
         engine.step()
         assert engine.global_steps == 3 and not engine.is_gradient_accumulation_boundary()
+
+
+def test_a_step_skipped_for_an_fp16_overflow_was_not_applied():
+    cfg = config(2, "cpu", 1, fp16={"enabled": True, "initial_scale_power": 4, "hysteresis": 1})
+    with offload.initialize(make_model(), cfg) as engine:
+        for step, factor in enumerate([1.0, float("inf"), 1.0]):
+            engine.backward(engine(batch(step, 0, 0)) * factor)
+            engine.step()
+            assert engine.was_step_applied() == (factor == 1.0), step
+        assert engine.skipped_steps == 1 and engine.global_samples == 3 * cfg["train_micro_batch_size_per_gpu"]
+
+
+def test_a_torch_optimizers_attributes_on_engine_optimizer_say_where_they_went():
+    with offload.initialize(make_model(), config(2, "cpu", 1)) as engine:
+        for name in ("param_groups", "zero_grad", "state"):
+            with pytest.raises(AttributeError, match=f"not a torch.optim.Optimizer, so it has no {name}: "
+                                                     r"engine.get_lr\(\) reads"):
+                getattr(engine.optimizer, name)
+        assert not hasattr(engine.optimizer, "nonsense")
 
 
 def test_step_acts_only_at_accumulation_boundaries():
@@ -272,6 +294,31 @@ def test_backward_takes_a_model_output_and_forward_passes_keywords(kind):
         assert all(torch.equal(a[f"inner.{k}"], b[k]) for k in b)
         with pytest.raises(ValueError, match="engine.backward needs the loss"):
             engine.backward({"logits": None})
+
+
+@pytest.mark.parametrize("stage,param_device", [(2, None), (3, "cpu"), (3, "none")])
+def test_two_losses_of_one_forward_each_given_to_backward(stage, param_device):
+    """DeepSpeed's backward(loss, retain_graph=True): another loss of the same
+    forward goes back through the graph after it, and the step applies the
+    sum of both gradients, as torch's."""
+    cfg = config(stage, "cpu", 1, param_device=param_device)
+    ref = make_model()
+    p = cfg["optimizer"]["params"]
+    adamw = torch.optim.AdamW(ref.parameters(), lr=p["lr"], betas=p["betas"], eps=p["eps"],
+                              weight_decay=p["weight_decay"], foreach=False)
+    with offload.initialize(make_model(), cfg) as engine:
+        for step in range(3):
+            loss = engine(batch(step, 0, 0))
+            engine.backward(loss, retain_graph=True)
+            engine.backward(loss.square())
+            engine.step()
+            expected = ref(batch(step, 0, 0))
+            expected.backward(retain_graph=True)
+            expected.square().backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"])
+            adamw.step()
+            adamw.zero_grad()
+        assert max_difference(engine.state_dict(), ref) < 1e-5
 
 
 @pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme"), (3, "none", "none")])

@@ -9,7 +9,7 @@ checks everything at the edge:
     all such keys are listed in one warning (``TUNING_KEYS``);
   - a DeepSpeed key whose meaning this engine does not implement is an error
     saying so (``REFUSED_KEYS``), or, for a feature DeepSpeed leaves off by
-    default, only when it is switched on (``OFF_KEYS``);
+    default, only when it is set otherwise (``DEFAULT_ONLY_KEYS``);
   - a wrong type or an out-of-range value is an error naming the field.
 """
 
@@ -198,7 +198,7 @@ class SchedulerParams:
     warmup_min_lr: float = _f(0.0, "WarmupLR, WarmupDecayLR: the rate warm-up starts from (the first step's)", ge=0)
     warmup_max_lr: float | None = _f(None, "WarmupLR, WarmupDecayLR: the rate warm-up reaches; unset: as in "
                                      "DeepSpeed, optimizer.params.lr for WarmupLR and 0.001 for WarmupDecayLR", ge=0)
-    warmup_num_steps: int = _f(1000, "steps of warm-up (at least 2 are taken, as in DeepSpeed)", ge=1)
+    warmup_num_steps: int = _f(1000, "steps of warm-up (at least 2 are taken, as in DeepSpeed)", ge=0)
     warmup_type: str = _f("log", "the warm-up curve: log or linear", choices=("log", "linear"))
     total_num_steps: int | None = _f(None, "WarmupDecayLR, WarmupCosineLR (required): the step where the decay ends",
                                      ge=1)
@@ -448,24 +448,30 @@ REFUSED_KEYS = {
 }
 
 
-def _off(value) -> bool:
-    """A DeepSpeed switch left as DeepSpeed's default leaves it: false, or a
-    section without ``"enabled": true``."""
-    return value is False or (isinstance(value, dict) and value.get("enabled", False) is False)
+def _at_default(value, default) -> bool:
+    """``value`` is what DeepSpeed's default does: the default itself, or, for a
+    switch whose default is off, a section without ``"enabled": true``."""
+    if isinstance(value, dict) and default is False:
+        return value.get("enabled", False) is False
+    return value == default and type(value) is type(default)
 
 
-# DeepSpeed switches for features this engine does not implement, off by
-# default: accepted while off (warned about with TUNING_KEYS), refused when on.
-OFF_KEYS = {
-    "": {"torch_autocast": "torch autocast is not implemented; the model computes in the config's dtype (the bf16 "
-                           "or fp16 section), cast to it"},
+# DeepSpeed keys for features this engine does not implement, which do nothing
+# at DeepSpeed's default: accepted there (warned about with TUNING_KEYS), and
+# refused otherwise. key -> (the default, why).
+DEFAULT_ONLY_KEYS = {
+    "": {"torch_autocast": (False, "torch autocast is not implemented; the model computes in the config's dtype "
+                                   "(the bf16 or fp16 section), cast to it")},
     "zero_optimization.offload_optimizer": {
-        "super_offload": "SuperOffload is not implemented; offload_optimizer.overlap_step runs the CPU step during "
-                         "backward, speculatively and exactly"},
-    "bf16": {"check_grad_overflow": "bf16 steps are never skipped for an overflow here"},
-    "fp16": {"fp16_master_weights_and_grads": "fp16 master weights are not implemented; the master is fp32, or "
-                                              "bf16 with bf16.bf16_master_weights_and_grads"},
-    "aio": {"use_gds": "GPUDirect Storage is not implemented"},
+        "super_offload": (False, "SuperOffload is not implemented; offload_optimizer.overlap_step runs the CPU step "
+                                 "during backward, speculatively and exactly")},
+    "bf16": {"check_grad_overflow": (False, "bf16 steps are never skipped for an overflow here")},
+    "fp16": {"fp16_master_weights_and_grads": (False, "fp16 master weights are not implemented; the master is fp32, "
+                                                      "or bf16 with bf16.bf16_master_weights_and_grads")},
+    "aio": {"use_gds": (False, "GPUDirect Storage is not implemented")},
+    # DeepSpeed's schedulers resume from it; here load_checkpoint restores the schedule with the step count.
+    "scheduler.params": {"last_batch_iteration": (-1, "a schedule resumes with load_checkpoint, which restores the "
+                                                      "step count it follows")},
 }
 
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
@@ -537,7 +543,7 @@ def _auto_values(data: dict, path: str = "") -> Iterator[str]:
 class _Reading:
     """What building a config met besides its values."""
 
-    tuning: list[str] = field(default_factory=list)  # keys read and set aside (TUNING_KEYS, OFF_KEYS)
+    tuning: list[str] = field(default_factory=list)  # keys read and set aside (TUNING_KEYS, DEFAULT_ONLY_KEYS)
     given: set[str] = field(default_factory=set)  # the keys of values taken
 
 
@@ -556,9 +562,11 @@ def _set_aside(key: str, value, path: str, reading: _Reading) -> bool:
     where = f"{path}.{key}" if path else key
     if key in REFUSED_KEYS.get(path, {}):
         raise ConfigError(f"{where}: {REFUSED_KEYS[path][key]}; remove it")
-    if key in OFF_KEYS.get(path, {}):
-        if not _off(value):
-            raise ConfigError(f"{where} is on: {OFF_KEYS[path][key]}; remove it")
+    if key in DEFAULT_ONLY_KEYS.get(path, {}):
+        default, why = DEFAULT_ONLY_KEYS[path][key]
+        if not _at_default(value, default):
+            raise ConfigError(f"{where} is {json.dumps(value)}: {why}; remove it, or set it to DeepSpeed's "
+                              f"default, {json.dumps(default)}")
     elif key not in TUNING_KEYS.get(path, ()):
         return False
     reading.tuning.append(where)
@@ -571,7 +579,7 @@ def _unknown_keys(cls, data: Any, path: str) -> list[str]:
     if not isinstance(data, dict):
         return []
     hints, fields = _schema(cls)
-    aside = {*REFUSED_KEYS.get(path, {}), *OFF_KEYS.get(path, {}), *TUNING_KEYS.get(path, ())}
+    aside = {*REFUSED_KEYS.get(path, {}), *DEFAULT_ONLY_KEYS.get(path, {}), *TUNING_KEYS.get(path, ())}
     found = []
     for key, value in data.items():
         where = f"{path}.{key}" if path else key

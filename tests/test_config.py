@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from offload.config import OFF_KEYS, REFUSED_KEYS, TUNING_KEYS, Config, ConfigError, reference
+from offload.config import DEFAULT_ONLY_KEYS, REFUSED_KEYS, TUNING_KEYS, Config, ConfigError, reference
 from offload.store.aio import AioSettings
 
 DEEPSPEED_FILE = {
@@ -145,13 +145,17 @@ def test_defaults_need_no_warning():
          "3 unknown keys:\n  unknown key 'gradient_clip'; did you mean 'gradient_clipping'?\n  unknown key "
          "'zero_optimization.stag'; did you mean 'stage'?\n  unknown key 'zero_optimization.offload_optimizer.devcie'"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
-         "zero_optimization.offload_optimizer.super_offload is on: SuperOffload is not implemented; "
+         "zero_optimization.offload_optimizer.super_offload is true: SuperOffload is not implemented; "
          "offload_optimizer.overlap_step runs"),
-        ({"torch_autocast": {"enabled": True}}, "torch_autocast is on: torch autocast is not implemented"),
-        ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "bf16.check_grad_overflow is on"),
+        ({"torch_autocast": {"enabled": True}}, 'torch_autocast is {"enabled": true}: torch autocast is not '
+                                                "implemented"),
+        ({"bf16": {"enabled": True, "check_grad_overflow": True}}, "bf16.check_grad_overflow is true"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
-         "fp16.fp16_master_weights_and_grads is on: fp16 master weights are not implemented"),
-        ({"aio": {"use_gds": True}}, "aio.use_gds is on: GPUDirect Storage is not implemented"),
+         "fp16.fp16_master_weights_and_grads is true: fp16 master weights are not implemented"),
+        ({"aio": {"use_gds": True}}, "aio.use_gds is true: GPUDirect Storage is not implemented; remove it, or set "
+                                     "it to DeepSpeed's default, false"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}},
+         "scheduler.params.last_batch_iteration is 99: a schedule resumes with load_checkpoint"),
         ({"zero_optimization": []}, "zero_optimization must be a JSON object"),
     ],
 )
@@ -208,7 +212,8 @@ def test_deepspeeds_newer_keys_at_their_defaults_are_named_in_the_one_warning():
                                   "stage3_use_all_reduce_for_fetch_params": False,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "cpuadam_cores_perc": 0.8,
                                                         "super_offload": False}},
-            "aio": {"use_gds": False}}
+            "aio": {"use_gds": False}, "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1,
+                                                                                   "warmup_num_steps": 0}}}
     with pytest.warns(UserWarning) as caught:
         config = Config.load(data)
     (warning,) = caught
@@ -219,7 +224,8 @@ def test_deepspeeds_newer_keys_at_their_defaults_are_named_in_the_one_warning():
                                         "zero_optimization.log_trace_cache_warnings",
                                         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
                                         "zero_optimization.offload_optimizer.cpuadam_cores_perc",
-                                        "zero_optimization.offload_optimizer.super_offload", "aio.use_gds"])
+                                        "zero_optimization.offload_optimizer.super_offload", "aio.use_gds",
+                                        "scheduler.params.last_batch_iteration"])
     assert config.bf16.enabled and config.zero_optimization.offload_optimizer.device == "nvme"
 
 
@@ -244,7 +250,7 @@ def test_readme_documents_every_key():
 
 def test_the_readme_lists_every_refused_and_ignored_key():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
-    for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()) + list(OFF_KEYS.items()):
+    for section, keys in list(REFUSED_KEYS.items()) + list(TUNING_KEYS.items()) + list(DEFAULT_ONLY_KEYS.items()):
         for key in keys:
             assert f"`{section + '.' if section else ''}{key}`" in readme, key
 

@@ -28,6 +28,21 @@ knowing offload (``ValueError``, ``OSError``, ``MemoryError``).
 
 from __future__ import annotations
 
+import os
+import sys
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def outside_offload() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside
+    this package (the user's line, however deep the engine's calls went);
+    call it where ``warnings.warn`` is called."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
+
 
 def in_brief(names: list[str]) -> str:
     """The first few of ``names`` for a one-line message, and how many more."""

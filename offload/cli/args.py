@@ -7,8 +7,8 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 
+from offload.destinations import directory_problem, file_problem
 from offload.errors import UsageError
 from offload.models.gpt import SIZES, GPTConfig, size_name
 
@@ -30,47 +30,19 @@ def count(text: str) -> int:
 
 
 def output_file(text: str) -> str:
-    """A file to write: not a directory, in a directory that exists (checked before any work)."""
-    if os.path.isdir(text) or text.endswith(os.sep):
-        raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write in it")
-    return _in_existing_directory(text)
+    """A file to write (checked before any work: ``destinations``)."""
+    return _checked(text, file_problem(text))
 
 
 def output_directory(text: str) -> str:
-    """A directory to write into: it may exist, as a directory, or be made in one that exists."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text} is a file; name a directory to write the model into")
-    if os.path.isdir(text):  # only it is written (a volume mounted there, say, in a read-only tree)
-        return _writable(text)
-    return _in_existing_directory(text)
+    """A directory to write into (checked before any work: ``destinations``)."""
+    return _checked(text, directory_problem(text))
 
 
-def _in_existing_directory(text: str) -> str:
-    parent = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
-    _writable(parent)
+def _checked(text: str, problem: str | None) -> str:
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
-
-
-def _writable(directory: str) -> str:
-    why = unwritable(directory)
-    if why:
-        raise argparse.ArgumentTypeError(f"cannot write in {directory} ({why}); pick another place")
-    return directory
-
-
-def unwritable(directory: str) -> str | None:
-    """Why no file can be made in ``directory``, or None. Tried with a file made
-    and removed, before any work: ``os.access`` lets root pass where a
-    read-only filesystem then refuses."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
-    except OSError as exc:
-        return exc.strerror
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def existing_directory(text: str) -> str:

@@ -57,7 +57,8 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import positive_int, unwritable
+from offload.cli.args import positive_int
+from offload.destinations import unwritable
 from offload.cli.progress import Progress
 from offload.errors import StorageError, UsageError
 from offload.report import human_bytes

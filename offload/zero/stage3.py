@@ -129,7 +129,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from offload.config import Config
-from offload.errors import ConfigError, UsageError, in_brief
+from offload.errors import ConfigError, UsageError, in_brief, outside_offload
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import State, Tier, TieredStore, pool_bytes
 from offload.zero import comm
@@ -293,7 +293,7 @@ class PartitionedWeights:
             warnings.warn(f"offload: every parameter has at most zero_optimization.stage3_param_persistence_threshold "
                           f"({zero.stage3_param_persistence_threshold:,}) elements, so all stay whole on every "
                           f"rank's accelerator: stage 3 partitions none of them{held}; lower the threshold to "
-                          "partition them", UserWarning, stacklevel=5)
+                          "partition them", UserWarning, stacklevel=outside_offload())
         self._trace: dict[bool, list[_Managed]] = {}
         self._record: list[_Managed] = []
         self._cursor = 0

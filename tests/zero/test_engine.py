@@ -248,6 +248,35 @@ def test_a_torch_optimizers_attributes_on_engine_optimizer_say_where_they_went()
         assert not hasattr(engine.optimizer, "nonsense")
 
 
+def test_a_save_to_a_wrong_place_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Each save checks where it writes first, as the CLI does: a directory
+    given as a file, a file as a directory, a missing parent."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "adir").mkdir()
+    with offload.initialize(make_model(), config(2, "cpu", 1)) as engine:
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+
+        def no_work(*args, **kwargs):
+            raise AssertionError("the save started its work before checking where it writes")
+
+        monkeypatch.setattr(engine, "full_weights", no_work)
+        monkeypatch.setattr(engine, "shard_state", no_work)
+        for save, message in [
+            (lambda: engine.export(str(tmp_path)), f"export: {tmp_path} is a directory; name the file to write in it"),
+            (lambda: engine.export(str(tmp_path / "no" / "m.safetensors")),
+             f"export: directory {tmp_path / 'no'} does not exist; create it first"),
+            (lambda: engine.save_pretrained(str(afile)), f"save_pretrained: {afile} is a file; name a directory"),
+            (lambda: engine.save_checkpoint(str(afile / "ckpt")), f"save_checkpoint: {afile} is a file"),
+            (lambda: engine.save_16bit_model(str(tmp_path), "adir"),
+             f"save_16bit_model: {tmp_path / 'adir'} is a directory; name the file"),
+        ]:
+            with pytest.raises(UsageError, match=re.escape(message)):
+                save()
+        assert sorted(os.listdir(tmp_path)) == ["adir", "afile"]
+
+
 def test_step_acts_only_at_accumulation_boundaries():
     engine = offload.initialize(make_model(), config(2, "cpu", 3))
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
@@ -527,9 +556,11 @@ def test_stage_3_that_partitions_nothing_is_said(threshold, said):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         offload.initialize(make_model(), cfg).close()
-    told = [str(w.message) for w in caught if "partitions none of them" in str(w.message)]
+    told = [w for w in caught if "partitions none of them" in str(w.message)]
     assert bool(told) == said
     if said:
+        assert told[0].filename == __file__  # the user's line, as a warnings filter by module needs
+        told = [str(told[0].message)]
         assert f"stage3_param_persistence_threshold ({threshold:,})" in told[0]
         assert "offload_param.device 'cpu' holds none" in told[0]
 

@@ -1,0 +1,56 @@
+"""Where a save writes, checked before any work: a wrong path costs an error
+naming it, not a whole model streamed first. Each check returns what is
+wrong, or None; the CLI and the engine word the error their own way."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def file_problem(path: str) -> str | None:
+    """A file to write: not a directory, in a writable directory that exists."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        return f"{path} is a directory; name the file to write in it"
+    return _parent_problem(path)
+
+
+def directory_problem(path: str, with_parents: bool = False) -> str | None:
+    """A directory to write into: it exists, as a writable directory, or can be
+    made in one that does (``with_parents``: in the nearest that does, as
+    ``os.makedirs`` makes it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file; name a directory to write into"
+    if os.path.isdir(path):  # only it is written (a volume mounted there, say, in a read-only tree)
+        return _writable_problem(path)
+    if with_parents:
+        ancestor = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        return directory_problem(ancestor)
+    return _parent_problem(path)
+
+
+def _parent_problem(path: str) -> str | None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist; create it first"
+    return _writable_problem(parent)
+
+
+def _writable_problem(directory: str) -> str | None:
+    why = unwritable(directory)
+    return f"cannot write in {directory} ({why}); pick another place" if why else None
+
+
+def unwritable(directory: str) -> str | None:
+    """Why no file can be made in ``directory``, or None. Tried with a file made
+    and removed: ``os.access`` lets root pass where a read-only filesystem
+    then refuses."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror
+    os.close(fd)
+    os.unlink(probe)
+    return None

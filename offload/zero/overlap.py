@@ -29,9 +29,10 @@ recent steps rolled back (clipping binds, as early in training), speculation
 stops, once said, and is tried again every ``RETRY_EVERY`` steps.
 
 Threads: during backward the worker alone uses the optimizer and its store;
-the main thread hands it gradient parts and waits for it in ``step()``, or
-before it reads the state between backward and ``step()`` (a state dict),
-which undoes the speculation, or reads only counters (a report), which does not.
+the main thread hands it gradient parts and joins it (Note [what the worker
+has not started]) in ``step()``, or before it reads the state between
+backward and ``step()`` (a state dict), which undoes the speculation, or
+reads only counters (a report), which does not.
 
 Note [a gradient that comes twice]
 A weight used in two segments of reentrant activation checkpointing gets its
@@ -79,6 +80,7 @@ from collections import deque
 
 import torch
 
+from offload.errors import outside_offload
 from offload.optim.grad_stats import sum_squares
 from offload.report import MemoryReport, PhaseTimes
 from offload.zero.layout import FlatLayout
@@ -239,19 +241,23 @@ class OverlappedStep:
         return self.gradient.stats(known=self._sums)
 
     def _join(self) -> None:
-        """Wait for the sub-group the worker is on; those it has not started are
+        """Wait for the sub-groups the worker has started; those it has not are
         taken back (Note [what the worker has not started])."""
         start = time.perf_counter()
-        taken = [(landing, bases) for task, landing, bases in self._tasks if task.cancel()]
-        for task, _, _ in self._tasks:
-            if not task.cancelled():
-                task.result()  # re-raises the worker's error here
-        self._tasks = []
-        for landing, bases in taken:
-            self.gradient.apply_landing(landing)
-            if bases is not None:
-                self._spare.append(bases)
-        self.join_seconds += time.perf_counter() - start
+        # From the last: the worker takes them in order, so the ones taken back are the latest, and each it runs
+        # had every earlier one run first (a sub-group's range may hold a part an earlier one took and landed).
+        taken = [(landing, bases) for task, landing, bases in reversed(self._tasks) if task.cancel()]
+        tasks, self._tasks = self._tasks, []
+        try:
+            for task, _, _ in tasks:
+                if not task.cancelled():
+                    task.result()  # re-raises the worker's error here
+        finally:
+            self.join_seconds += time.perf_counter() - start
+            for landing, bases in reversed(taken):  # in the order they were taken; their staging goes back
+                self.gradient.apply_landing(landing)
+                if bases is not None:
+                    self._spare.append(bases)
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
         """Keep the speculated sub-groups if the plain step would have computed
@@ -302,7 +308,7 @@ class OverlappedStep:
                 warnings.warn(f"offload: overlap_step rolled back most of the last {WINDOW} steps (gradient clipping "
                               f"binds, fp16 overflows, or a gradient came twice in one backward); the step now runs "
                               f"after backward, as without overlap, and speculation is tried again every "
-                              f"{RETRY_EVERY} steps", UserWarning, stacklevel=4)
+                              f"{RETRY_EVERY} steps", UserWarning, stacklevel=outside_offload())
 
     def _recycle(self) -> None:
         self._spare.extend(self._bases.values())
@@ -322,7 +328,8 @@ class OverlappedStep:
 
     def idle(self, times: PhaseTimes) -> None:
         """A report reads the store's counters: the worker must be done, but the
-        speculated sub-groups stand, so reporting costs the step nothing."""
+        sub-groups it stepped stand (those it had not started are taken back,
+        as at any join)."""
         self._join()
 
     def finish(self, times: PhaseTimes) -> None:

@@ -211,7 +211,7 @@ def _say_where_weights_live() -> None:
         _told_where = True
         warnings.warn("offload stage 3: offload_param.device is none, so each rank's partition of the weights stays "
                       "on the accelerator; set zero_optimization.offload_param.device to cpu or nvme to move it off",
-                      UserWarning, stacklevel=5)
+                      UserWarning, stacklevel=outside_offload())
 
 
 def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
@@ -234,7 +234,7 @@ def _say_what_stays_in_cpu(parts: list[int], in_cpu: int, max_in_cpu: int) -> No
             else f"{total - kept:,} in swap files")
     warnings.warn(f"offload stage 3: offload_param.max_in_cpu={max_in_cpu:,} keeps {kept:,} of this rank's {total:,} "
                   f"weight elements in host memory, as DeepSpeed does, {rest}; set max_in_cpu to 0 to put every "
-                  f"part on NVMe", UserWarning, stacklevel=5)
+                  f"part on NVMe", UserWarning, stacklevel=outside_offload())
 
 
 class PartitionedWeights:
@@ -598,12 +598,15 @@ class PartitionedWeights:
         through (Note [pass hooks]), unless ``graph_kept`` for another backward
         through them, and drop every reference left."""
         if not graph_kept:
-            for handle in self._pass_hooks:
-                handle.remove()
-            self._pass_hooks.clear()
+            self._drop_pass_hooks()
         self._running.clear()  # recomputation stopped inside a module (Note [gather references])
         self._pass_open = False
         self._drop_references()
+
+    def _drop_pass_hooks(self) -> None:
+        for handle in self._pass_hooks:
+            handle.remove()
+        self._pass_hooks.clear()
 
     def _drop_references(self) -> None:
         """Backward references left belong to parameters that got no gradient;
@@ -721,6 +724,7 @@ class PartitionedWeights:
         """New weights are coming: give back read-ahead, free gathered copies of
         trained parameters (stale now; frozen ones stay as they are)."""
         self._drop_read_ahead()
+        self._drop_pass_hooks()  # of a graph a backward kept (retain_graph): stale now, and would hold it alive
         self._incoming = {}
         for m in self._managed.values():
             if m.state is ParamState.GATHERED and m.layout is self.layout:

@@ -201,9 +201,9 @@ def test_the_worker_and_its_adam_threads_run_below_backward(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("stage,device", [(2, "cpu"), (2, "nvme"), (3, "nvme")])
+@pytest.mark.parametrize("stage,device,accumulation", [(2, "cpu", 1), (2, "cpu", 2), (2, "nvme", 2), (3, "nvme", 1)])
 @pytest.mark.parametrize("clip", [0.5, 1e6])
-def test_step_takes_back_what_the_worker_has_not_started(tmp_path, monkeypatch, stage, device, clip):
+def test_step_takes_back_what_the_worker_has_not_started(tmp_path, monkeypatch, stage, device, accumulation, clip):
     """Note [what the worker has not started]: the worker starts the first
     sub-group of each backward, and is held there until the step has taken
     back the others, so that one alone is speculated; the step is still
@@ -229,11 +229,12 @@ def test_step_takes_back_what_the_worker_has_not_started(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(overlap.OverlappedStep, "_take", held)
     monkeypatch.setattr(overlap.OverlappedStep, "_join", once_started)
-    plain = _train(_config(tmp_path, stage, device, 1, clip, False), 1)
-    over = _train(_config(tmp_path, stage, device, 1, clip, True), 1)
+    plain = _train(_config(tmp_path, stage, device, accumulation, clip, False), accumulation)
+    over = _train(_config(tmp_path, stage, device, accumulation, clip, True), accumulation)
     expected, state = plain.state_dict(), over.state_dict()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
-    ref = train_reference(make_model(), STEPS, 1, 1, _config(tmp_path, stage, device, 1, clip, False))
+    ref = train_reference(make_model(), STEPS, 1, accumulation,
+                          _config(tmp_path, stage, device, accumulation, clip, False))
     assert max_difference(state, ref) < 1e-5
     assert len(held_for) == STEPS
     if clip < 1.0:

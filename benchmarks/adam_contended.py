@@ -49,10 +49,12 @@ def main() -> None:
     for _ in range(args.rounds):
         alone.append(_pass_seconds(opt))
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        time.sleep(0.3)  # running, not starting
-        beside.append(_pass_seconds(opt))
-        spinner.kill()
-        spinner.wait()
+        try:
+            time.sleep(0.3)  # running, not starting
+            beside.append(_pass_seconds(opt))
+        finally:
+            spinner.kill()
+            spinner.wait()
     a, b = statistics.median(alone), statistics.median(beside)
     print(f"CPU Adam, {args.params / 1e6:.0f}M fp32 parameters, {args.threads} threads, median of {args.rounds} rounds")
     print(f"  alone:                     {a * 1e3:7.1f} ms")

@@ -331,8 +331,10 @@ class Config:
                               f"{len(unknown)} unknown keys:\n  " + "\n  ".join(unknown))
         reading = _Reading()
         config = _build(Config, data, "", reading)
-        tuning = reading.tuning
+        tuning, at_default = reading.tuning, reading.at_default
         idle = [f"{', '.join(sorted(tuning))} (they tune DeepSpeed's own internals)"] if tuning else []
+        idle += [f"{', '.join(sorted(at_default))} (DeepSpeed's defaults, for what is not implemented here)"] \
+            if at_default else []
         idle += [f"{key} ({why})" for key, why in _without_effect(config, reading.given)]
         if idle:
             warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=2)
@@ -449,11 +451,13 @@ REFUSED_KEYS = {
 
 
 def _at_default(value, default) -> bool:
-    """``value`` is what DeepSpeed's default does: the default itself, or, for a
-    switch whose default is off, a section without ``"enabled": true``."""
-    if isinstance(value, dict) and default is False:
-        return value.get("enabled", False) is False
-    return value == default and type(value) is type(default)
+    """``value`` does what DeepSpeed's default does: the same switch (or, for a
+    switch whose default is off, a section without ``"enabled": true``), or
+    the same number."""
+    if isinstance(default, bool):
+        return value is default or (default is False and isinstance(value, dict)
+                                    and value.get("enabled", False) is False)
+    return _is_number(value) and value == default
 
 
 # DeepSpeed keys for features this engine does not implement, which do nothing
@@ -543,7 +547,8 @@ def _auto_values(data: dict, path: str = "") -> Iterator[str]:
 class _Reading:
     """What building a config met besides its values."""
 
-    tuning: list[str] = field(default_factory=list)  # keys read and set aside (TUNING_KEYS, DEFAULT_ONLY_KEYS)
+    tuning: list[str] = field(default_factory=list)  # keys read and set aside: TUNING_KEYS
+    at_default: list[str] = field(default_factory=list)  # and DEFAULT_ONLY_KEYS
     given: set[str] = field(default_factory=set)  # the keys of values taken
 
 
@@ -567,7 +572,9 @@ def _set_aside(key: str, value, path: str, reading: _Reading) -> bool:
         if not _at_default(value, default):
             raise ConfigError(f"{where} is {json.dumps(value)}: {why}; remove it, or set it to DeepSpeed's "
                               f"default, {json.dumps(default)}")
-    elif key not in TUNING_KEYS.get(path, ()):
+        reading.at_default.append(where)
+        return True
+    if key not in TUNING_KEYS.get(path, ()):
         return False
     reading.tuning.append(where)
     return True

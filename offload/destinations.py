@@ -12,27 +12,30 @@ def file_problem(path: str) -> str | None:
     """A file to write: not a directory, in a writable directory that exists."""
     if os.path.isdir(path) or path.endswith(os.sep):
         return f"{path} is a directory; name the file to write in it"
-    return _parent_problem(path)
+    return _parent_problem(os.path.abspath(path))
 
 
 def directory_problem(path: str, with_parents: bool = False) -> str | None:
     """A directory to write into: it exists, as a writable directory, or can be
     made in one that does (``with_parents``: in the nearest that does, as
     ``os.makedirs`` makes it)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{path} is a file; name a directory to write into"
-    if os.path.isdir(path):  # only it is written (a volume mounted there, say, in a read-only tree)
-        return _writable_problem(path)
+    whole = os.path.abspath(path)  # "afile/" names afile
+    if os.path.lexists(whole) and not os.path.isdir(whole):
+        return f"{whole} is not a directory; name a directory to write into"
+    if os.path.isdir(whole):  # only it is written (a volume mounted there, say, in a read-only tree)
+        return _writable_problem(whole)
     if with_parents:
-        ancestor = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(whole)
+        while not os.path.lexists(ancestor):
             ancestor = os.path.dirname(ancestor)
         return directory_problem(ancestor)
-    return _parent_problem(path)
+    return _parent_problem(whole)
 
 
-def _parent_problem(path: str) -> str | None:
-    parent = os.path.dirname(os.path.abspath(path))
+def _parent_problem(whole: str) -> str | None:
+    parent = os.path.dirname(whole)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        return f"{parent} is not a directory; name a place in one"
     if not os.path.isdir(parent):
         return f"directory {parent} does not exist; create it first"
     return _writable_problem(parent)

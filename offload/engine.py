@@ -129,7 +129,7 @@ class Engine:
         self.config = config
         if is_meta(model):
             init_fn = adapter_init(model, init_fn or model_init(model))  # Note [LoRA on the meta device]
-        comm.join_the_launch()
+        comm.join_the_launch(config.comm_timeout_s)
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
@@ -678,7 +678,13 @@ class Engine:
         """What is wrong with where ``call`` would write, as rank 0 (the writer)
         finds it, raised on every rank before any work: the others must not go
         on into the save's collectives (``destinations``)."""
-        found = comm.all_gather_object(problem() if self.rank == 0 else None)[0]
+        found = None
+        if self.rank == 0:
+            try:
+                found = problem()
+            except (TypeError, ValueError, OSError) as exc:  # a path that is not one: said on every rank
+                found = str(exc)
+        found = comm.all_gather_object(found)[0]
         if found:
             raise UsageError(f"{call}: {found}")
 

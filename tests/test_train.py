@@ -296,7 +296,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "export_out_new_directory": (["export", str(tmp_path), "--out", str(tmp_path / "new") + os.sep],
                                      "is a directory; name the file"),
         "export_hf_file": (["export", str(tmp_path), "--hf", _write(tmp_path, "config.json", "{}")],
-                           "is a file; name a directory to write into"),
+                           "is not a directory; name a directory to write into"),
     }[case]
     proc = subprocess.run([sys.executable, "-m", "offload", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

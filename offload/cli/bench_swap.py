@@ -58,8 +58,8 @@ import torch
 
 from offload import _native
 from offload.cli.args import positive_int
-from offload.destinations import unwritable
 from offload.cli.progress import Progress
+from offload.destinations import unwritable
 from offload.errors import StorageError, UsageError
 from offload.report import human_bytes
 from offload.store import AioSettings, TieredStore

@@ -25,8 +25,8 @@ import torch
 from offload import Config
 from offload.cli import bench_swap
 from offload.cli.args import byte_size, output_file, positive_int
-from offload.destinations import unwritable
 from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
+from offload.destinations import unwritable
 from offload.errors import UsageError
 from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES
 from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate

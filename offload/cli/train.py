@@ -159,7 +159,7 @@ def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) ->
     if made.reporting:
         made.out_dirs = _make_out_dir(made.out)  # now, not after the run
         print(_header(args, config, made), file=sys.stderr, flush=True)
-    made.process_group = comm.join_the_launch()
+    made.process_group = comm.join_the_launch(config.comm_timeout_s)
     rank, world = comm.world()
     data = ByteBatches(stdlib_corpus(), seq_len, config.batch(world).micro, args.seed)
     summary = _train(args, model_config, config, data, rank, world, made)

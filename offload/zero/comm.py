@@ -74,18 +74,34 @@ def _run(name: str, collective, *args, what: str = "", **kwargs) -> None:
                         f"run different modules or compute gradients for different parameters)") from exc
 
 
-def join_the_launch() -> bool:
+LAUNCH_ENV = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def join_the_launch(timeout_s: float | None = None) -> bool:
     """Under a launcher (torchrun's WORLD_SIZE > 1) with no process group yet,
     make the default one from the launcher's environment, as
     ``deepspeed.initialize`` does: otherwise every rank would train a copy of
     its own, each believing itself alone. NCCL with CUDA (on the local rank's
-    device), gloo without. True if it made the group."""
+    device), gloo without; ranks that do not all come within ``timeout_s``
+    fail it. True if it made the group."""
     if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    missing = [name for name in LAUNCH_ENV if name not in os.environ]
+    if missing:
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} says this is one of several ranks, but "
+                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start it with "
+                         "torchrun, which sets them all, or unset WORLD_SIZE to train alone")
+    nccl = torch.cuda.is_available()
+    if nccl:
+        torch.cuda.set_device(_local_gpu())
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
     return True
+
+
+def _local_gpu() -> torch.device:
+    """The CUDA device of this process's ``LOCAL_RANK`` (torchrun sets it), among those it sees."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def world() -> tuple[int, int]:
@@ -103,7 +119,7 @@ def accelerator(first_param: torch.Tensor) -> torch.device:
     model's own device."""
     nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
     if (first_param.is_meta or nccl) and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        device = _local_gpu()
         torch.cuda.set_device(device)
         return device
     if first_param.is_meta:

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from offload.errors import UsageError
 from offload.zero import comm
 
 from .harness import config, finish_rank, make_model, max_difference, spawn_ranks, train_engine, train_reference
@@ -44,7 +45,7 @@ def _launched_rank(rank: int, port: int, out_dir: str) -> None:
     """A rank as torchrun starts it: the environment says where the others
     are, and the script makes no process group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", OMP_NUM_THREADS="1")
+                      WORLD_SIZE="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo, on a GPU host too
     cfg = config(2, "cpu", 1)
     engine = train_engine(make_model(), 3, 1, cfg, rank)
     result = [engine.world, torch.distributed.get_backend(),
@@ -57,3 +58,12 @@ def test_a_rank_torchrun_started_joins_the_others_by_itself(tmp_path):
     """As deepspeed.initialize: without it each rank trained a copy of its own."""
     for rank, (world, backend, difference) in enumerate(spawn_ranks(_launched_rank, tmp_path)):
         assert world == 2 and backend == "gloo" and difference < 1e-5, (rank, world, difference)
+
+
+def test_a_world_size_without_the_rest_of_a_launch_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in comm.LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match="WORLD_SIZE=2 says this is one of several ranks, but RANK, MASTER_ADDR, "
+                                         "MASTER_PORT are not set: start it with torchrun"):
+        comm.join_the_launch(5)

@@ -254,6 +254,7 @@ def test_a_save_to_a_wrong_place_is_refused_before_any_work(tmp_path, monkeypatc
     afile = tmp_path / "afile"
     afile.write_text("x")
     (tmp_path / "adir").mkdir()
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     with offload.initialize(make_model(), config(2, "cpu", 1)) as engine:
         engine.backward(engine(batch(0, 0, 0)))
         engine.step()
@@ -267,14 +268,18 @@ def test_a_save_to_a_wrong_place_is_refused_before_any_work(tmp_path, monkeypatc
             (lambda: engine.export(str(tmp_path)), f"export: {tmp_path} is a directory; name the file to write in it"),
             (lambda: engine.export(str(tmp_path / "no" / "m.safetensors")),
              f"export: directory {tmp_path / 'no'} does not exist; create it first"),
-            (lambda: engine.save_pretrained(str(afile)), f"save_pretrained: {afile} is a file; name a directory"),
-            (lambda: engine.save_checkpoint(str(afile / "ckpt")), f"save_checkpoint: {afile} is a file"),
+            (lambda: engine.save_pretrained(str(afile)), f"save_pretrained: {afile} is not a directory; name a directory"),
+            (lambda: engine.save_checkpoint(str(afile / "ckpt")), f"save_checkpoint: {afile} is not a directory"),
+            (lambda: engine.save_pretrained(f"{afile}/"), f"save_pretrained: {afile} is not a directory"),
+            (lambda: engine.save_16bit_model(str(tmp_path / "dangling")),
+             f"save_16bit_model: {tmp_path / 'dangling'} is not a directory"),
+            (lambda: engine.export(str(afile / "m.safetensors")), f"export: {afile} is not a directory"),
             (lambda: engine.save_16bit_model(str(tmp_path), "adir"),
              f"save_16bit_model: {tmp_path / 'adir'} is a directory; name the file"),
         ]:
             with pytest.raises(UsageError, match=re.escape(message)):
                 save()
-        assert sorted(os.listdir(tmp_path)) == ["adir", "afile"]
+        assert sorted(os.listdir(tmp_path)) == ["adir", "afile", "dangling"]
 
 
 def test_step_acts_only_at_accumulation_boundaries():
@@ -348,6 +353,20 @@ def test_two_losses_of_one_forward_each_given_to_backward(stage, param_device):
             adamw.step()
             adamw.zero_grad()
         assert max_difference(engine.state_dict(), ref) < 1e-5
+
+
+def test_a_graph_kept_by_every_backward_is_let_go_at_the_step():
+    """Note [pass hooks]: stage 3 keeps a retaining backward's gradient hooks
+    for another backward through its graph, and drops them at the step, so a
+    loop that retains every graph holds no more than one step's."""
+    with offload.initialize(make_model(), config(3, "cpu", 1, param_device="cpu")) as engine:
+        kept, after_step = [], []
+        for step in range(4):
+            engine.backward(engine(batch(step, 0, 0)), retain_graph=True)
+            kept.append(len(engine.weights._pass_hooks))
+            engine.step()
+            after_step.append(len(engine.weights._pass_hooks))
+        assert min(kept) > 0 and after_step == [0] * 4
 
 
 @pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme"), (3, "none", "none")])

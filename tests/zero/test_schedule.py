@@ -55,7 +55,7 @@ def test_warmup_cosine_lr_scales_the_optimizers_rate_and_ends_at_its_floor():
          r"total_num_steps \(10\) is less than warmup_num_steps \(50\)"),
         ({"type": "OneCycle"}, "scheduler.type must be one of"),
         ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "warmup_type must be one of"),
-        ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}}, "warmup_num_steps must be >= 1"),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": -1}}, "warmup_num_steps must be >= 0"),
     ],
 )
 def test_a_schedule_it_cannot_run_is_refused_naming_the_field(scheduler, message):

@@ -81,7 +81,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
     for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, hooks_before = time.perf_counter(), engine.reducer.seconds
         for micro in range(accumulation):
             engine.backward(engine(tokens))
             if micro < accumulation - 1:
@@ -95,7 +95,11 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
         end = time.perf_counter()
         _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forwards and backwards")
         if i >= warmup:
-            rows.append({"step": end - start, "forward_backward": compute_end - start, "phases": _phases(engine)})
+            # The gradient hooks' own time (reducing, copying out, adding in a landed part) holds up the thread
+            # that launches backward's kernels.
+            hooks = round(engine.reducer.seconds - hooks_before, 4)
+            rows.append({"step": end - start, "forward_backward": compute_end - start,
+                         "phases": _phases(engine) | {"gradient_hooks": hooks}})
     rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
     engine.close(restore_model=False)
     median = sorted(rows, key=lambda r: r["step"])[len(rows) // 2]

@@ -10,6 +10,8 @@ import tempfile
 
 def file_problem(path: str) -> str | None:
     """A file to write: not a directory, in a writable directory that exists."""
+    if not path:
+        return "an empty path names no file; give one"
     if os.path.isdir(path) or path.endswith(os.sep):
         return f"{path} is a directory; name the file to write in it"
     return _parent_problem(os.path.abspath(path))
@@ -19,6 +21,8 @@ def directory_problem(path: str, with_parents: bool = False) -> str | None:
     """A directory to write into: it exists, as a writable directory, or can be
     made in one that does (``with_parents``: in the nearest that does, as
     ``os.makedirs`` makes it)."""
+    if not path:
+        return "an empty path names no directory; give one (\".\" for this one)"
     whole = os.path.abspath(path)  # "afile/" names afile
     if os.path.lexists(whole) and not os.path.isdir(whole):
         return f"{whole} is not a directory; name a directory to write into"
@@ -34,9 +38,12 @@ def directory_problem(path: str, with_parents: bool = False) -> str | None:
 
 def _parent_problem(whole: str) -> str | None:
     parent = os.path.dirname(whole)
-    if os.path.lexists(parent) and not os.path.isdir(parent):
-        return f"{parent} is not a directory; name a place in one"
     if not os.path.isdir(parent):
+        ancestor = parent
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            return f"{ancestor} is not a directory; name a place in one"
         return f"directory {parent} does not exist; create it first"
     return _writable_problem(parent)
 

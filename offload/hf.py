@@ -265,6 +265,13 @@ class _EngineModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
 
+    def _get_name(self) -> str:
+        """The held model's class name, looking through a PEFT wrapper as the
+        Trainer does: the Trainer reads it (a causal LM's labels are shifted
+        for label smoothing), and this wrapper is what it unwraps to."""
+        held = self.module.base_model.model if is_peft_model(self.module) else self.module
+        return held._get_name()
+
 
 class OffloadTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model trained by an offload engine

@@ -44,9 +44,11 @@ from typing import BinaryIO
 import torch
 
 from offload.checkpoint.format import fsync_dir
+from offload.errors import UsageError
 from offload.safetensors_file import nbytes, write_safetensors
 
 WEIGHTS = "model.safetensors"
+PEFT_PREFIX = "base_model.model."  # every key of a PEFT model's own state dict
 INDEX = "model.safetensors.index.json"
 CONFIGS = ("config.json", "generation_config.json")
 ASIDE = ".replaced-"  # an earlier save's shard, under this name while this save takes its own
@@ -86,6 +88,12 @@ def write_pretrained(directory: str, plan: Plan, tensors: Iterable[tuple[str, to
     """Write the weights ``plan`` announces (``tensors`` yields them in order) and
     ``configs`` (file name -> JSON text) into ``directory``; returns the files
     written. ``write=False``: consume the tensors (their collectives run), write nothing."""
+    if any(key.startswith(PEFT_PREFIX) for key, _, _ in plan):
+        raise UsageError(f"these are a PEFT model's weights (keys under {PEFT_PREFIX!r}, adapters beside their base "
+                         "layers), which transformers' from_pretrained would load as a freshly initialised model: save "
+                         "the adapter with PEFT's own save_pretrained (engine.module.save_pretrained(dir), as "
+                         "OffloadTrainer.save_model does) and load it onto the base, or merge it into the base "
+                         "(merge_and_unload) and save that")
     parts = shards(plan, max_shard_bytes)
     names = [WEIGHTS] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
                                                for i in range(len(parts))]

@@ -57,6 +57,32 @@ def test_offload_trainer_gives_the_losses_of_plain_trainer(tmp_path, stage):
     assert os.listdir(tmp_path / "nvme") == []
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["gpt2", "lora"])
+def test_label_smoothing_shifts_a_causal_lms_labels_as_plain_trainer_does(tmp_path, lora):
+    """The Trainer shifts the labels for label smoothing by the class name of
+    the model it unwraps: under OffloadTrainer, the held model's."""
+    args = run.arguments(str(tmp_path))
+    args.label_smoothing_factor = 0.1
+    model = run.lora_gpt2() if lora else run.tiny_gpt2()
+    plain = transformers.Trainer(model=copy.deepcopy(model), args=args, eval_dataset=run.Tokens())
+    (tmp_path / "nvme").mkdir()
+    trainer = OffloadTrainer(model=model, args=args, eval_dataset=run.Tokens(), offload_config=run.offload_config(2),
+                             nvme_path=str(tmp_path / "nvme"))
+    expected, loss = plain.evaluate()["eval_loss"], trainer.evaluate()["eval_loss"]
+    assert math.isclose(loss, expected, rel_tol=1e-5), (loss, expected)
+    trainer.engine.close()
+
+
+def test_a_peft_models_weights_are_not_saved_as_a_transformers_model(tmp_path):
+    """Its keys (base_model.model.*, adapters beside base layers) would load
+    into transformers as a freshly initialised model, with only a report."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with offload.initialize(run.lora_gpt2(), config) as engine:
+        with pytest.raises(UsageError, match="these are a PEFT model's weights .* save the adapter with PEFT's own"):
+            engine.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_override_of_get_decay_parameter_names_is_honoured(tmp_path):
     from offload.hf import OffloadTrainer
 

@@ -274,6 +274,9 @@ def test_a_save_to_a_wrong_place_is_refused_before_any_work(tmp_path, monkeypatc
             (lambda: engine.save_16bit_model(str(tmp_path / "dangling")),
              f"save_16bit_model: {tmp_path / 'dangling'} is not a directory"),
             (lambda: engine.export(str(afile / "m.safetensors")), f"export: {afile} is not a directory"),
+            (lambda: engine.export(str(afile / "sub" / "m.safetensors")), f"export: {afile} is not a directory"),
+            (lambda: engine.export(""), "export: an empty path names no file"),
+            (lambda: engine.save_checkpoint(""), "save_checkpoint: an empty path names no directory"),
             (lambda: engine.save_16bit_model(str(tmp_path), "adir"),
              f"save_16bit_model: {tmp_path / 'adir'} is a directory; name the file"),
         ]:

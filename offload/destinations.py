@@ -29,23 +29,25 @@ def directory_problem(path: str, with_parents: bool = False) -> str | None:
     if os.path.isdir(whole):  # only it is written (a volume mounted there, say, in a read-only tree)
         return _writable_problem(whole)
     if with_parents:
-        ancestor = os.path.dirname(whole)
-        while not os.path.lexists(ancestor):
-            ancestor = os.path.dirname(ancestor)
-        return directory_problem(ancestor)
+        return directory_problem(_nearest_existing(os.path.dirname(whole)))
     return _parent_problem(whole)
 
 
 def _parent_problem(whole: str) -> str | None:
     parent = os.path.dirname(whole)
     if not os.path.isdir(parent):
-        ancestor = parent
-        while not os.path.lexists(ancestor):
-            ancestor = os.path.dirname(ancestor)
+        ancestor = _nearest_existing(parent)
         if not os.path.isdir(ancestor):
             return f"{ancestor} is not a directory; name a place in one"
         return f"directory {parent} does not exist; create it first"
     return _writable_problem(parent)
+
+
+def _nearest_existing(whole: str) -> str:
+    """``whole`` (absolute), or its nearest ancestor that exists (a dangling link counts)."""
+    while not os.path.lexists(whole):
+        whole = os.path.dirname(whole)
+    return whole
 
 
 def _writable_problem(directory: str) -> str | None:

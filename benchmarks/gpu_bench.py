@@ -81,7 +81,7 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
     for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize()
-        start, hooks_before = time.perf_counter(), engine.reducer.seconds
+        start, hooks_before, landing_before = time.perf_counter(), engine.reducer.seconds, _landing(engine)
         for micro in range(accumulation):
             engine.backward(engine(tokens))
             if micro < accumulation - 1:
@@ -98,8 +98,9 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
             # The gradient hooks' own time (reducing, copying out, adding in a landed part) holds up the thread
             # that launches backward's kernels.
             hooks = round(engine.reducer.seconds - hooks_before, 4)
+            landing = round(_landing(engine) - landing_before, 4)  # beside backward, on the landing thread
             rows.append({"step": end - start, "forward_backward": compute_end - start,
-                         "phases": _phases(engine) | {"gradient_hooks": hooks}})
+                         "phases": _phases(engine) | {"gradient_hooks": hooks, "gradient_landing": landing}})
     rollbacks = getattr(engine.update, "rollbacks", None)  # the overlapped step's
     engine.close(restore_model=False)
     median = sorted(rows, key=lambda r: r["step"])[len(rows) // 2]
@@ -117,6 +118,11 @@ def _phases(engine) -> dict[str, float]:
     if hasattr(update, "worker_seconds"):
         flat |= {"overlap_worker": update.worker_seconds, "overlap_join": update.join_seconds}
     return {k: round(v, 4) for k, v in flat.items() if v}
+
+
+def _landing(engine) -> float:
+    """Note [landing off backward's thread]: the landing thread's time so far (none with gradients on NVMe)."""
+    return getattr(engine.gradient, "landing_seconds", 0.0)
 
 
 def _progress(line: str) -> None:

@@ -4,8 +4,8 @@ Note [overlapped step]
 With ``offload_optimizer.overlap_step``, during the backward that ends an
 accumulation window, each sub-group of the owned shard whose gradient is
 complete (every bucket meeting it reduced in this backward) goes to a worker
-thread, which lands its gradient parts, sums their squares (Note [gradient
-statistics]), saves its optimizer state and runs its Adam step, and keeps its
+thread, which waits for its gradient parts to land (Note [landing off
+backward's thread]), sums their squares (Note [gradient statistics]), saves its optimizer state and runs its Adam step, and keeps its
 new weights aside: backward goes on meanwhile. Sub-groups at the end of the
 owned shard complete first, since backward runs from the last layers. The
 step is speculative: it assumes the multiplier the plain step uses when no
@@ -47,8 +47,8 @@ which counts as a rollback.
 
 Note [what the worker has not started]
 Whoever joins the worker (``step()``, or a reader of the state) takes back
-the sub-groups it has not started: their gradient parts land on the joining
-thread, and ``step()`` sums their squares and steps them as usual. Waiting
+the sub-groups it has not started (their parts land as every part does), and
+``step()`` sums their squares and steps them as usual. Waiting
 for them instead would put the worker's backlog on the critical path, worked
 through slower than the plain step does it (at a lower priority, keeping the
 old state): with a GPU, backward may end long before the worker catches up.
@@ -118,7 +118,7 @@ class OverlappedStep:
         self._meets = {i: sum(1 for _ in layout.buckets_meeting(lo, hi)) for i, (lo, hi) in enumerate(groups)}
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-overlap",
                                                              initializer=_below_backward)
-        self._tasks: list[tuple[concurrent.futures.Future, list, tuple | None]] = []  # (task, its landing, its bases)
+        self._tasks: list[tuple[concurrent.futures.Future, tuple | None]] = []  # (task, its bases)
         self._active = False
         self._left: dict[int, int] = {}
         self._sums: dict[int, float] = {}
@@ -165,10 +165,10 @@ class OverlappedStep:
             self._left[i] -= 1
             if self._left[i] == 0:
                 g_lo, g_hi = self.optimizer.groups[i]
-                landing = self.gradient.take_landing(g_lo, g_hi)
+                mark = self.gradient.landing_mark()
                 speculate = self._speculating and not self._spoiled and len(self._tasks) < self.budget
                 bases = self._bases_for(g_lo, g_hi) if speculate else None
-                self._tasks.append((self._worker.submit(self._complete, i, landing, bases), landing, bases))
+                self._tasks.append((self._worker.submit(self._complete, i, mark, bases), bases))
 
     def _spoil(self) -> None:
         """Note [a gradient that comes twice]."""
@@ -189,12 +189,12 @@ class OverlappedStep:
             bases[1][: hi - lo].copy_(self.weights.current(lo, hi))
         return bases
 
-    def _complete(self, i: int, landing: list, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Worker: sub-group i's gradient lands, its squares are summed, and, given
-        ``bases``, its step is taken."""
+    def _complete(self, i: int, mark: int, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Worker: once the parts sent before ``mark`` landed (sub-group i's among
+        them), its squares are summed, and, given ``bases``, its step is taken."""
         start = time.perf_counter()
         try:
-            self._take(i, landing, bases)
+            self._take(i, mark, bases)
         finally:
             self.worker_seconds += time.perf_counter() - start
 
@@ -204,11 +204,11 @@ class OverlappedStep:
         if self._speculating:
             self.optimizer.prefetch(list(range(self._next, max(-1, self._next - self.optimizer.read_ahead), -1)))
 
-    def _take(self, i: int, landing: list, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def _take(self, i: int, mark: int, bases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self._next = min(self._next, i - 1)
         if bases is not None:
             self._read_next()
-        self.gradient.apply_landing(landing)
+        self.gradient.wait_landed(mark)
         lo, hi = self.optimizer.groups[i]
         grad = self.gradient.tensor[lo:hi]
         if self.needs_stats:
@@ -244,20 +244,15 @@ class OverlappedStep:
         """Wait for the sub-groups the worker has started; those it has not are
         taken back (Note [what the worker has not started])."""
         start = time.perf_counter()
-        # From the last: the worker takes them in order, so the ones taken back are the latest, and each it runs
-        # had every earlier one run first (a sub-group's range may hold a part an earlier one took and landed).
-        taken = [(landing, bases) for task, landing, bases in reversed(self._tasks) if task.cancel()]
+        taken = [bases for task, bases in self._tasks if task.cancel()]
         tasks, self._tasks = self._tasks, []
         try:
-            for task, _, _ in tasks:
+            for task, _ in tasks:
                 if not task.cancelled():
                     task.result()  # re-raises the worker's error here
         finally:
             self.join_seconds += time.perf_counter() - start
-            for landing, bases in reversed(taken):  # in the order they were taken; their staging goes back
-                self.gradient.apply_landing(landing)
-                if bases is not None:
-                    self._spare.append(bases)
+            self._spare.extend(bases for bases in taken if bases is not None)
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
         """Keep the speculated sub-groups if the plain step would have computed

@@ -17,6 +17,7 @@ so the sum is kept in fp32.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from typing import Protocol
@@ -26,6 +27,7 @@ import torch
 from offload.optim.grad_stats import sum_squares
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import AioSettings, PoolExhausted, TieredStore, pool_bytes
+from offload.zero.landing import Lander
 from offload.zero.layout import SubGroups
 from offload.zero.transfer import Pending, Transfer
 
@@ -75,8 +77,8 @@ class InMemoryGradient:
     zeroed, when the window is read. In host memory (tier ``host``), parts
     leave the accelerator asynchronously (Note [transfer protocol]): a first
     part straight into its range, a later one into a staging buffer, added
-    once it has landed; backward never waits for a copy, readers of the
-    window do."""
+    once it has landed, off backward's thread (Note [landing off backward's
+    thread]); backward never waits for a copy, readers of the window do."""
 
     def __init__(self, groups: SubGroups, numel: int, dtype: torch.dtype, device: torch.device, pin: bool,
                  tier: str, transfer: Transfer) -> None:
@@ -86,7 +88,8 @@ class InMemoryGradient:
         self._tensor: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None
         self._touched: dict[int, int] = {}  # lo -> hi of each range holding this window's parts
-        self._landing: list[tuple[int, int, Pending, bool]] = []  # (lo, hi, copy, is the range's first part)
+        self._lander = Lander(threaded=transfer.asynchronous and tier == "host")
+        self._mark: int | None = None  # a window taken: the parts sent to it (None: every part sent)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -103,44 +106,31 @@ class InMemoryGradient:
         if self.tier == "device":
             (self.tensor[lo:hi].copy_ if first else self.tensor[lo:hi].add_)(values)
             return
-        self._land(block=False)
         if first:
-            pending = self.transfer.to_host(values, into=self.tensor[lo:hi])
-        else:
-            try:
-                pending = self.transfer.to_host(values)
-            except PoolExhausted:  # staging buffers are all in flight: land ours, or wait for a worker's
-                self._land(block=True)
-                pending = self.transfer.to_host(values, wait_for_room=True)
-        self._landing.append((lo, hi, pending, first))
+            self._lander.submit(self.transfer.to_host(values, into=self.tensor[lo:hi]), add_into=None)
+        else:  # a full staging pool waits for the landing thread to give a buffer back
+            self._lander.submit(self.transfer.to_host(values, wait_for_room=True), add_into=self.tensor[lo:hi])
 
-    def _land(self, block: bool) -> None:
-        """Add in the parts whose copies are done (all of them, if ``block``), in order."""
-        while self._landing and (block or self._landing[0][2].done()):
-            self.apply_landing([self._landing.pop(0)])
+    def landing_mark(self) -> int:
+        """A mark for ``wait_landed``: the parts sent so far (Note [overlapped step])."""
+        return self._lander.submitted
 
-    def take_landing(self, lo: int, hi: int) -> list:
-        """The parts still on their way that meet [lo, hi), in order, taken over
-        by the caller (Note [overlapped step]: a worker lands them)."""
-        taken = [entry for entry in self._landing if entry[0] < hi and lo < entry[1]]
-        self._landing = [entry for entry in self._landing if not (entry[0] < hi and lo < entry[1])]
-        return taken
+    def wait_landed(self, mark: int) -> None:
+        """Until the parts sent before ``mark`` have landed."""
+        self._lander.wait(mark)
 
-    def apply_landing(self, entries: list) -> None:
-        """Wait for these parts and add them in, in order."""
-        for lo, hi, pending, first in entries:
-            landed = pending.wait()
-            if not first:
-                self.tensor[lo:hi].add_(landed)
-            pending.release()
+    @property
+    def landing_seconds(self) -> float:
+        """Spent landing parts, beside backward (Note [landing off backward's thread])."""
+        return self._lander.seconds
 
     def end_of_backward(self) -> None:
-        self._land(block=False)
+        """Nothing waits here: parts land on their own (Note [landing off backward's thread])."""
 
     def settle(self) -> None:
         """Every part landed, and the ranges no part reached zeroed, so reads see
         this window's gradient."""
-        self._land(block=True)
+        self._lander.wait(self._mark)
         at = 0
         for lo, hi in sorted(self._touched.items()) + [(self.numel, self.numel)]:
             if at < lo:
@@ -175,17 +165,17 @@ class InMemoryGradient:
 
     def zero(self) -> None:
         """Nothing is written now: the next window's parts are copied in."""
-        self._land(block=True)  # no copy may still be writing into the buffer
+        self._lander.wait(self._mark)  # no copy may still be writing into the buffer
         self._touched.clear()
 
     def take_window(self) -> InMemoryGradient:
         """The delayed update's double buffer: the window just completed, as a
         gradient of its own for the worker to read, while parts go on being
         added into the other buffer (allocated the first time)."""
-        window = InMemoryGradient(self.groups, self.numel, self.dtype, self.device, self.pin, self.tier, self.transfer)
-        window._tensor, window._touched, window._landing = self.tensor, self._touched, self._landing
+        window = copy.copy(self)  # the same landing thread: the parts sent so far are the window's
+        window._tensor, window._mark = self.tensor, self._lander.submitted
         self._tensor = self._spare if self._spare is not None else self._allocate()
-        self._touched, self._landing = {}, []
+        self._touched = {}
         self._spare = window._tensor
         return window
 
@@ -200,7 +190,7 @@ class InMemoryGradient:
         return DiskTraffic(0, 0)
 
     def close(self) -> None:
-        self._land(block=True)
+        self._lander.close()
         self._tensor = self._spare = None
 
 

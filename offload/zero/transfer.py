@@ -14,6 +14,9 @@ source, a pinned staging buffer of the pool).
     blocking into the device destination. Whoever computes with the
     destination first calls ``wait()``; on CUDA that makes the compute
     stream wait for the event without blocking the CPU.
+  - A CPU that waits on an event sleeps until the copy is done: a spinning
+    wait (CUDA's default) would take a core from the CPU Adam and from the
+    thread that lands gradients.
   - ``release()`` gives a staging buffer back to its pool, and lets go of the
     source, only once the event has completed (it waits if it must): a
     buffer is never reused while a copy may still read or write it, as the
@@ -197,7 +200,7 @@ class _CudaCopier:
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # the source is ready on the compute stream
         with torch.cuda.stream(stream):
             into.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a CPU waiting on it sleeps, leaving its core to the Adam
             event.record(stream)
         return _CudaPending(into, src, event, direction, pool, buffer)
 

@@ -3,6 +3,8 @@ when each element receives one reduced part per step, so the native Adam reads
 bf16 directly, with bitwise the same training as an fp32 copy; fp32 when
 micro-batches are summed."""
 
+import threading
+
 import pytest
 import torch
 
@@ -11,11 +13,12 @@ from offload import _native
 from offload.store import AioSettings, PinnedPool
 from offload.zero import optimizer as optimizer_module
 from offload.zero import owned_grad
+from offload.zero.landing import Lander
 from offload.zero.layout import SubGroups
 from offload.zero.owned_grad import OnDiskGradient
-from offload.zero.transfer import Transfer
+from offload.zero.transfer import SIMULATE_ENV, Transfer
 
-from .harness import batch, config, make_model, train_engine
+from .harness import batch, config, make_model, max_difference, train_engine, train_reference
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -99,3 +102,27 @@ def test_a_gradient_on_disk_writes_each_sub_group_once_when_parts_come_low_befor
         assert torch.equal(gradient.read(i), expected[lo:hi])
         gradient.done(i)
     gradient.close()
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+def test_parts_land_off_the_thread_that_runs_backward(tmp_path, monkeypatch, simulated):
+    """Note [landing off backward's thread]: with an asynchronous accelerator,
+    the later micro-batches' parts are added in on the landing thread, never
+    on the thread that runs backward's hooks; with the CPU as the accelerator,
+    at once where they are sent. Either way training matches AdamW."""
+    monkeypatch.setenv(SIMULATE_ENV, "1" if simulated else "0")
+    added_on = []
+    real = Lander._land
+
+    def spy(self, pending, add_into):
+        if add_into is not None:
+            added_on.append(threading.current_thread().name)
+        real(self, pending, add_into)
+
+    monkeypatch.setattr(Lander, "_land", spy)
+    cfg = config(2, "cpu", 2, str(tmp_path))
+    with train_engine(make_model(), 3, 2, cfg) as engine:
+        state = engine.state_dict()
+    assert set(added_on) == ({"offload-landing"} if simulated else {threading.current_thread().name})
+    assert len(added_on) == 3 * len(engine.layout.buckets)  # each step's second micro-batch, every bucket
+    assert max_difference(state, train_reference(make_model(), 3, 1, 2, cfg)) < 1e-5

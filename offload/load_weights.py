@@ -269,6 +269,14 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
              "(AutoModelForCausalLM), then the directory, then the config")
     if config is None:
         raise UsageError(f"{takes}; the config is missing")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise UsageError(f"offload.from_pretrained reads a model from a local directory; {path!r} is not one (for a "
+                         f"model on the Hugging Face Hub, download it first: huggingface_hub.snapshot_download(repo_id) "
+                         f"returns its directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"{path} has no config.json, which offload.from_pretrained builds the model from (a "
+                         f"directory that save_pretrained wrote has one)")
     if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
         model_config = model_class.config_class.from_pretrained(path)
         build = model_class

@@ -446,6 +446,10 @@ def test_from_pretrained_names_what_it_takes(tmp_path):
         offload.from_pretrained(str(tmp_path), config(2, "cpu", 1))
     with pytest.raises(UsageError, match=r"offload.from_pretrained\(transformers.AutoModelForCausalLM, directory, "):
         offload.initialize(str(tmp_path), config(2, "cpu", 1))
+    with pytest.raises(UsageError, match=r"reads a model from a local directory; 'gpt2' is not one .*snapshot_download"):
+        offload.from_pretrained(transformers.AutoModelForCausalLM, "gpt2", config(2, "cpu", 1))
+    with pytest.raises(UsageError, match=rf"{tmp_path} has no config.json"):
+        offload.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, config(2, "cpu", 1))
 
 
 @needs_hf

@@ -67,7 +67,11 @@ def test_train_end_to_end(tmp_path, capsys, monkeypatch):
     s = summary_of(out)
     assert len(s["losses"]) == 8
     assert s["losses"][-1] < s["losses"][0] - 0.2 and s["eval_loss_end"] < s["eval_loss_start"] - 0.2
-    assert s["tokens_per_s"] > 0 and set(s["seconds_per_step"]) == {"wall", "compute", "optimizer", "swap", "other"}
+    split = s["seconds_per_step"]
+    assert set(split) == {"wall", "compute", "optimizer", "swap", "other"}
+    assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / split["wall"])
+    # The median step's own split: its parts add up to its time, as the printed percentages do to 100%.
+    assert split["compute"] + split["optimizer"] + split["swap"] + split["other"] == pytest.approx(split["wall"])
     # The state was on disk. (Reads can be 0: a sub-group whose write-back is still
     # in flight when the next step wants it is taken from its buffer, not reread.)
     assert s["disk_bytes_per_step"]["bytes_written"] > 0 and s["bytes_per_tier"]["nvme"] > 0

@@ -285,6 +285,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     eval_end = _evaluate(engine, evals)
     report = engine.memory_report()
     measured = rows[1:] or rows  # the first step also pays one-time costs
+    median = sorted(measured, key=lambda r: r["wall"])[len(measured) // 2]  # one step's split, so its parts add up
     return {
         "model": args.model, "model_config": dataclasses.asdict(model_config), "params": model_config.params(),
         "world_size": world, "steps": args.steps, "seq_len": data.seq_len, "micro_batch": data.batch_size,
@@ -294,9 +295,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
                        "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
         "weight_decay": f"{config.optimizer.params.weight_decay} on weight matrices, none on biases and norm gains",
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
-        "tokens_per_s": tokens_per_step / statistics.median(r["wall"] for r in measured),
-        "seconds_per_step": {k: statistics.median(r[k] for r in measured)
-                             for k in ("wall", "compute", "optimizer", "swap", "other")},
+        "tokens_per_s": tokens_per_step / median["wall"],
+        "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other")},
         "disk_bytes_per_step": {k: statistics.median(r[k] for r in measured) for k in ("bytes_read", "bytes_written")},  # this rank's
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),

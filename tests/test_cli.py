@@ -362,3 +362,18 @@ def test_bench_step_sizes_the_nvme_pipeline_by_buffer_count(tmp_path, capsys, mo
     assert main(argv) == 0
     json.loads(capsys.readouterr().out)
     assert counts == {False: 3, True: 3}
+
+
+def test_a_warning_under_the_command_line_is_what_it_says_without_offloads_lines(tmp_path, capsys):
+    """The place Python names for a warning is offload's own code (or runpy's
+    under ``python -m``): a user reads only the message."""
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": True,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["train", "--model", "tiny", "--steps", "1", "--config", str(config), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if "wall_clock_breakdown" in line]
+    assert said == ["UserWarning: offload: these settings have no effect here: wall_clock_breakdown (they tune "
+                    "DeepSpeed's own internals)"], err
+    assert not any(".py:" in line or "runpy" in line for line in err), err

@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import sys
+import warnings
 
 from offload.cli import bench_adam, bench_step, bench_swap, clean, estimate, export, plan, train
 from offload.errors import OffloadError
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args) or 0
+        with warnings.catch_warnings():  # restores the usual display when main returns (in tests, say)
+            warnings.showwarning = _without_location
+            return args.run(args) or 0
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status
@@ -105,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         # The reader of our output left (`| head`): stop as the shell's own tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
         return 128 + signal.SIGPIPE
+
+
+def _without_location(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line: under the command line, the place Python would
+    name is offload's own code, or runpy's, which tells a user nothing."""
+    print(f"{category.__name__}: {message}", file=sys.stderr if file is None else file)
 
 
 def _reader_gone(stream) -> bool:

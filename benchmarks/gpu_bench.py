@@ -95,8 +95,8 @@ def one(setup: str, model: str, device: str, steps: int, batch: int, accumulatio
         end = time.perf_counter()
         _progress(f"{setup}: step {i} took {end - start:.2f} s, {compute_end - start:.2f} s of it forwards and backwards")
         if i >= warmup:
-            # The gradient hooks' own time (reducing, copying out, adding in a landed part) holds up the thread
-            # that launches backward's kernels.
+            # The gradient hooks' own time (reducing, sending a part out) holds up the thread that launches
+            # backward's kernels; the landing thread's (waiting for copies, adding parts in) runs beside it.
             hooks = round(engine.reducer.seconds - hooks_before, 4)
             landing = round(_landing(engine) - landing_before, 4)  # beside backward, on the landing thread
             rows.append({"step": end - start, "forward_backward": compute_end - start,

@@ -18,6 +18,10 @@ for a worker that took a sub-group's parts and has not run yet (Note
 [overlapped step]). With the CPU as the accelerator a copy is done when it
 returns, and its part is added at once on the sending thread, as before: a
 second thread would only compete with backward for the cores.
+
+A part that fails to land (its copy failed) is raised to every reader whose
+mark covers it, until ``forget`` drops the window it belonged to; one no
+reader was shown is raised by ``close``.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ class Lander:
         self._landed = 0
         self._queue: deque[tuple[torch.Tensor | None, Pending] | None] = deque()
         self._changed = threading.Condition()
-        self._error: BaseException | None = None
-        self.seconds = 0.0  # spent landing parts: on the landing thread, beside backward
+        self._errors: list[tuple[int, BaseException]] = []  # (the failed part's number, its error), in order
+        self._shown = False  # the first error was raised to a reader
+        self.seconds = 0.0  # spent landing parts (waiting for copies included): beside backward
         self._thread = threading.Thread(target=self._run, name="offload-landing", daemon=True) if threaded else None
         if self._thread is not None:
             self._thread.start()
@@ -57,12 +62,20 @@ class Lander:
             self._changed.notify_all()
 
     def wait(self, mark: int | None = None) -> None:
-        """Until every part sent before ``mark`` (all sent so far, if None) has landed."""
+        """Until every part sent before ``mark`` (all sent so far, if None) has
+        landed; raises the error of the first of them that failed."""
         with self._changed:
             mark = self.submitted if mark is None else mark
             self._changed.wait_for(lambda: self._landed >= mark)
-            if self._error is not None:
-                raise self._error
+            failed = next((exc for number, exc in self._errors if number < mark), None)
+            if failed is not None:
+                self._shown = True
+                raise failed
+
+    def forget(self, mark: int) -> None:
+        """The parts sent before ``mark`` are done with (their window was zeroed): their errors are moot."""
+        with self._changed:
+            self._errors = [(number, exc) for number, exc in self._errors if number >= mark]
 
     def _land(self, pending: Pending, add_into: torch.Tensor | None) -> None:
         start = time.perf_counter()
@@ -75,6 +88,7 @@ class Lander:
             self.seconds += time.perf_counter() - start
 
     def _run(self) -> None:
+        number = 0
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._queue))
@@ -83,15 +97,17 @@ class Lander:
                 return
             try:
                 self._land(entry[1], entry[0])
-            except BaseException as exc:  # handed to every reader: the gradient is incomplete
+            except BaseException as exc:  # for the readers: their gradient is incomplete
                 with self._changed:
-                    self._error = self._error or exc
+                    self._errors.append((number, exc))
+            entry = None  # an idle thread holds no view of the gradient
+            number += 1
             with self._changed:
                 self._landed += 1
                 self._changed.notify_all()
 
     def close(self) -> None:
-        """Land what was sent, then stop the thread; an error was already raised to a reader, or is moot now."""
+        """Land what was sent and stop the thread; an error no reader was shown is raised here."""
         if self._thread is None:
             return
         with self._changed:
@@ -99,3 +115,5 @@ class Lander:
             self._changed.notify_all()
         self._thread.join()
         self._thread = None
+        if self._errors and not self._shown:
+            raise self._errors[0][1]

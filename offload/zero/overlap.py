@@ -29,7 +29,8 @@ recent steps rolled back (clipping binds, as early in training), speculation
 stops, once said, and is tried again every ``RETRY_EVERY`` steps.
 
 Threads: during backward the worker alone uses the optimizer and its store;
-the main thread hands it gradient parts and joins it (Note [what the worker
+the main thread hands it sub-groups (with the mark their parts landed by) and
+joins it (Note [what the worker
 has not started]) in ``step()``, or before it reads the state between
 backward and ``step()`` (a state dict), which undoes the speculation, or
 reads only counters (a report), which does not.
@@ -39,10 +40,10 @@ A weight used in two segments of reentrant activation checkpointing gets its
 gradient twice in one backward, so its bucket is reduced twice (the plain
 step just adds both parts). A sub-group is complete once every bucket meeting
 it was reduced at least once, so the second part may reach one the worker
-has already taken: its landing, sum of squares and speculated step all miss
-that part. So a bucket reduced again first waits for the worker (nothing
-else then writes that range), forgets the sums taken, and speculates no
-more; ``step()`` rolls back what was speculated and runs the plain step,
+has already taken: its sum of squares and speculated step miss that part.
+So a bucket reduced again first waits for the worker (so none of its tasks
+reads the range while the part lands), forgets the sums taken, and
+speculates no more; ``step()`` rolls back what was speculated and runs the plain step,
 which counts as a rollback.
 
 Note [what the worker has not started]
@@ -244,6 +245,7 @@ class OverlappedStep:
         """Wait for the sub-groups the worker has started; those it has not are
         taken back (Note [what the worker has not started])."""
         start = time.perf_counter()
+        # In any order: each sub-group's parts land on their own (Note [landing off backward's thread]).
         taken = [bases for task, bases in self._tasks if task.cancel()]
         tasks, self._tasks = self._tasks, []
         try:

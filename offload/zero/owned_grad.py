@@ -165,15 +165,19 @@ class InMemoryGradient:
 
     def zero(self) -> None:
         """Nothing is written now: the next window's parts are copied in."""
-        self._lander.wait(self._mark)  # no copy may still be writing into the buffer
-        self._touched.clear()
+        mark = self._lander.submitted if self._mark is None else self._mark
+        try:
+            self._lander.wait(mark)  # no copy may still be writing into the buffer
+        finally:
+            self._lander.forget(mark)
+            self._touched.clear()
 
     def take_window(self) -> InMemoryGradient:
         """The delayed update's double buffer: the window just completed, as a
         gradient of its own for the worker to read, while parts go on being
         added into the other buffer (allocated the first time)."""
         window = copy.copy(self)  # the same landing thread: the parts sent so far are the window's
-        window._tensor, window._mark = self.tensor, self._lander.submitted
+        window._tensor, window._spare, window._mark = self.tensor, None, self._lander.submitted
         self._tensor = self._spare if self._spare is not None else self._allocate()
         self._touched = {}
         self._spare = window._tensor
@@ -190,7 +194,8 @@ class InMemoryGradient:
         return DiskTraffic(0, 0)
 
     def close(self) -> None:
-        self._lander.close()
+        if self._mark is None:  # not a window: the landing thread is this gradient's
+            self._lander.close()
         self._tensor = self._spare = None
 
 

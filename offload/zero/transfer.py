@@ -106,7 +106,7 @@ class Transfer:
 
 
 class _SharedPool:
-    """The staging pool, used from two threads (a worker may land and give back
+    """The staging pool, used from two threads (the landing thread gives back
     what backward copied out): one lock, and a wait for room."""
 
     def __init__(self, pool: PinnedPool) -> None:
@@ -184,11 +184,13 @@ class _CudaPending:
         return self.tensor
 
     def release(self) -> None:
-        self._event.synchronize()
-        self._src = None
-        if self._buffer is not None:
-            self._pool.release(self._buffer)
-            self._buffer = None
+        try:
+            self._event.synchronize()
+        finally:  # a failed copy's buffer goes back too: a sender waiting for room would wait for ever
+            self._src = None
+            if self._buffer is not None:
+                self._pool.release(self._buffer)
+                self._buffer = None
 
 
 class _CudaCopier:

@@ -493,9 +493,9 @@ class Engine:
             return multiplier
         clip = self.config.gradient_clipping
         squares, finite = self.update.gradient_stats()
-        # One all-reduce for both: the ranks' sums of squares, and how many ranks overflowed.
-        stats = comm.all_reduce(torch.tensor([squares, 0.0 if finite else 1.0], dtype=torch.float64,
-                                             device=self._comm_device)).tolist()
+        stats = [squares, 0.0 if finite else 1.0]
+        if self.world > 1:  # one all-reduce for both: the ranks' sums of squares, and how many ranks overflowed
+            stats = comm.all_reduce(torch.tensor(stats, dtype=torch.float64, device=self._comm_device)).tolist()
         if self.scaler.enabled and stats[1]:
             self.last_grad_norm = math.inf  # as the Trainer's AMP logs an overflowed step's (DeepSpeed keeps the last)
             return None

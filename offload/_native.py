@@ -46,6 +46,7 @@ _SIGNATURES = {
          _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
     "offload_grad_sum_squares": (_int, [_ptr, _int, _i64, _int, ctypes.POINTER(_dbl)]),
+    "offload_grad_add": (_int, [_ptr, _ptr, _int, _i64, _int]),
     "offload_stream_copy": (_int, [_ptr, _ptr, _i64, _int]),
     "offload_stream_triad": (_int, [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _int]),
     "offload_crc32c": (ctypes.c_uint32, [_ptr, _i64, ctypes.c_uint32]),

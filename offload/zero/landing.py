@@ -32,6 +32,7 @@ from collections import deque
 
 import torch
 
+from offload.optim import grad_add
 from offload.zero.transfer import Pending
 
 
@@ -82,7 +83,7 @@ class Lander:
         try:
             landed = pending.wait()
             if add_into is not None:
-                add_into.add_(landed)
+                grad_add.add_into(add_into, landed)
         finally:
             pending.release()
             self.seconds += time.perf_counter() - start

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from offload.optim.grad_add import add_into
 from offload.optim.grad_stats import sum_squares
 from offload.report import DiskTraffic, MemoryReport
 from offload.store import AioSettings, PoolExhausted, TieredStore, pool_bytes
@@ -270,7 +271,7 @@ class OnDiskGradient:
                 else:
                     self._open[i] = self.store.get_blank(key).zero_()
                     self._touched.add(i)
-            self._open[i][a - g_lo : b - g_lo].add_(values[a - lo : b - lo])
+            add_into(self._open[i][a - g_lo : b - g_lo], values[a - lo : b - lo])
             self._covered[i] = self._covered.get(i, 0) + b - a
             if self._covered[i] >= self.groups[i][1] - g_lo:
                 self._close(i)

@@ -5,8 +5,8 @@
 // addition of two floats (a 16-bit value widens to float exactly), as
 // PyTorch's dst.add_(src) computes it, so that call is the fallback, bit for
 // bit. PyTorch widens a bfloat16 operand element by element on a generic
-// path: its mixed add took 5.9x the time of this pass on 2 Zen 2 cores, which
-// runs as fast as a float32 add (benchmarks/grad_add.py).
+// path: its mixed add took about 5x the time of this pass on 2 Zen 2 cores,
+// which runs as fast as a float32 add (benchmarks/grad_add.py).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -31,9 +31,10 @@ inline uint32_t to_bits(float f) {
   return u;
 }
 
-// IEEE half to float, exactly, without branches (so the loop vectorises):
-// normal numbers and Inf/NaN move their exponent and mantissa into place and
-// rebias; zeros and subnormals are their mantissa times 2^-24, exact in float.
+// IEEE half to float, exactly: normal numbers and Inf/NaN move their exponent
+// and mantissa into place and rebias; zeros and subnormals are their mantissa
+// times 2^-24, exact in float. Written without branches so that it could
+// vectorise; GCC 12 does not (1.5x PyTorch's speed only), hence F16C below.
 inline float half_to_float(uint16_t h) {
   const uint32_t em = static_cast<uint32_t>(h) & 0x7fffu;
   uint32_t bits = (em << 13) + (uint32_t{127 - 15} << 23);
@@ -51,8 +52,7 @@ void add_f16_scalar(float* dst, const uint16_t* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += half_to_float(src[i]);
 }
 
-// The compiler does not vectorise half_to_float well (1.5x PyTorch's time,
-// against 4.5x for bfloat16); the F16C instruction widens 8 halves at once.
+// The F16C instruction widens 8 halves at once.
 __attribute__((target("avx2,f16c")))
 void add_f16_f16c(float* dst, const uint16_t* src, int64_t n) {
   int64_t i = 0;

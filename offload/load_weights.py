@@ -269,6 +269,11 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
              "(AutoModelForCausalLM), then the directory, then the config")
     if config is None:
         raise UsageError(f"{takes}; the config is missing")
+    by_class = isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
+    if not by_class and not callable(getattr(model_class, "from_config", None)):  # an Auto class has from_config
+        raise UsageError(f"{takes}; got {model_class!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{takes}; got {path!r} for the directory")
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise UsageError(f"offload.from_pretrained reads a model from a local directory; {path!r} is not one (for a "
@@ -277,14 +282,12 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"{path} has no config.json, which offload.from_pretrained builds the model from (a "
                          f"directory that save_pretrained wrote has one)")
-    if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+    if by_class:
         model_config = model_class.config_class.from_pretrained(path)
         build = model_class
-    elif callable(getattr(model_class, "from_config", None)):  # an Auto class: the config names the model
+    else:  # an Auto class: the config names the model
         model_config = transformers.AutoConfig.from_pretrained(path)
         build = model_class.from_config
-    else:
-        raise UsageError(f"{takes}; got {model_class!r}")
     with offload.init(config, nvme_path=nvme_path):
         model = build(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,

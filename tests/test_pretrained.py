@@ -450,6 +450,10 @@ def test_from_pretrained_names_what_it_takes(tmp_path):
         offload.from_pretrained(transformers.AutoModelForCausalLM, "gpt2", config(2, "cpu", 1))
     with pytest.raises(UsageError, match=rf"{tmp_path} has no config.json"):
         offload.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, config(2, "cpu", 1))
+    with pytest.raises(UsageError, match=r"or an Auto class .*; got '/"):  # the class and the directory swapped
+        offload.from_pretrained(str(tmp_path), transformers.AutoModelForCausalLM, config(2, "cpu", 1))
+    with pytest.raises(UsageError, match=r"or an Auto class .*; got None for the directory"):
+        offload.from_pretrained(transformers.AutoModelForCausalLM, None, config(2, "cpu", 1))
 
 
 @needs_hf

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with warnings.catch_warnings():  # restores the usual display when main returns (in tests, say)
-            warnings.showwarning = _without_location
+        with warnings.catch_warnings():  # restores the usual format when main returns (in tests, say)
+            warnings.formatwarning = _without_location
             return args.run(args) or 0
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         print(f"offload {args.command}: error: {exc}", file=sys.stderr)
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
-def _without_location(message, category, filename, lineno, file=None, line=None) -> None:
+def _without_location(message, category, filename, lineno, line=None) -> str:
     """A warning as one line: under the command line, the place Python would
     name is offload's own code, or runpy's, which tells a user nothing."""
-    print(f"{category.__name__}: {message}", file=sys.stderr if file is None else file)
+    return f"{category.__name__}: {message}\n"
 
 
 def _reader_gone(stream) -> bool:

@@ -211,8 +211,8 @@ def warn_fallback_once() -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            "offload: the native CPU Adam is unavailable, using the pure-PyTorch fallback "
-            f"(same results, several times slower). Reason: {_native.status().reason}",
+            "offload: the native library (the CPU Adam, the gradient's passes) is unavailable, using the "
+            f"pure-PyTorch fallbacks (same results, several times slower). Reason: {_native.status().reason}",
             RuntimeWarning,
             stacklevel=3,
         )

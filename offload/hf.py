@@ -62,6 +62,7 @@ import torch
 import offload
 from offload.checkpoint.format import latest_tag
 from offload.config import Config, read_json
+from offload.destinations import directory_problem
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
@@ -407,6 +408,9 @@ class OffloadTrainer(transformers.Trainer):
         (the base model is not gathered). Every rank takes part, rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if is_peft_model(self.model):
+            # Before the adapter is gathered (the engine's save_pretrained checks its own): PEFT's errors name no path.
+            self.engine._refuse_destination("OffloadTrainer.save_model",
+                                            lambda: directory_problem(os.fspath(output_dir), with_parents=True))
             adapter = self.engine.state_dict(dtype=self.engine.dtype, exclude_frozen_parameters=True)
             # PEFT freezes the adapters it is not training: their weights are left out above, so only
             # the active ones are saved (PEFT would fill an adapter it finds no keys for with all of them).

@@ -398,6 +398,9 @@ def test_saving_a_peft_model_with_an_inactive_adapter_keeps_to_the_active_one(tm
                              nvme_path=str(tmp_path))
     with pytest.warns(UserWarning, match="saves the adapters it trains \\(default\\), not the inactive other"):
         trainer.save_model(str(tmp_path / "saved"))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UsageError, match=rf"OffloadTrainer.save_model: .*{tmp_path / 'afile'}"):
+        trainer.save_model(str(tmp_path / "afile" / "saved"))  # before gathering anything, with the path named
     trainer.engine.close()
     assert "adapter_model.safetensors" in os.listdir(tmp_path / "saved")
     assert not (tmp_path / "saved" / "other").exists()

@@ -43,7 +43,7 @@ class Lander:
         self._queue: deque[tuple[torch.Tensor | None, Pending] | None] = deque()
         self._changed = threading.Condition()
         self._errors: list[tuple[int, BaseException]] = []  # (the failed part's number, its error), in order
-        self._shown = False  # the first error was raised to a reader
+        self._shown: set[int] = set()  # the numbers of the failed parts raised to a reader
         self.seconds = 0.0  # spent landing parts (waiting for copies included): beside backward
         self._thread = threading.Thread(target=self._run, name="offload-landing", daemon=True) if threaded else None
         if self._thread is not None:
@@ -68,10 +68,10 @@ class Lander:
         with self._changed:
             mark = self.submitted if mark is None else mark
             self._changed.wait_for(lambda: self._landed >= mark)
-            failed = next((exc for number, exc in self._errors if number < mark), None)
+            failed = next(((number, exc) for number, exc in self._errors if number < mark), None)
             if failed is not None:
-                self._shown = True
-                raise failed
+                self._shown.add(failed[0])
+                raise failed[1]
 
     def forget(self, mark: int) -> None:
         """The parts sent before ``mark`` are done with (their window was zeroed): their errors are moot."""
@@ -116,5 +116,6 @@ class Lander:
             self._changed.notify_all()
         self._thread.join()
         self._thread = None
-        if self._errors and not self._shown:
-            raise self._errors[0][1]
+        unseen = [exc for number, exc in self._errors if number not in self._shown]
+        if unseen:
+            raise unseen[0]

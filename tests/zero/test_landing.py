@@ -15,6 +15,7 @@ class _Copy:
 
     def __init__(self, values: torch.Tensor, fails: bool = False) -> None:
         self.tensor, self.fails, self.go, self.released = values, fails, threading.Event(), False
+        self.fails_with = "the copy failed"
 
     def done(self) -> bool:
         return self.go.is_set()
@@ -22,7 +23,7 @@ class _Copy:
     def wait(self) -> torch.Tensor:
         self.go.wait()
         if self.fails:
-            raise OSError("the copy failed")
+            raise OSError(self.fails_with)
         return self.tensor
 
     def release(self) -> None:
@@ -70,8 +71,13 @@ def test_a_failed_part_is_raised_to_the_readers_it_concerns_until_forgotten():
 
 def test_a_failure_no_reader_saw_is_raised_at_close():
     lander = Lander(threaded=True)
-    bad = _Copy(torch.ones(2), fails=True)
-    lander.submit(bad, add_into=torch.zeros(2))
-    bad.go.set()
-    with pytest.raises(OSError, match="the copy failed"):
+    seen, unseen = _Copy(torch.ones(2), fails=True), _Copy(torch.ones(2), fails=True)
+    lander.submit(seen, add_into=torch.zeros(2))
+    seen.go.set()
+    with pytest.raises(OSError):
+        lander.wait()
+    unseen.fails_with = "the second copy failed"
+    lander.submit(unseen, add_into=torch.zeros(2))
+    unseen.go.set()
+    with pytest.raises(OSError, match="the second copy failed"):  # though an earlier one was shown
         lander.close()

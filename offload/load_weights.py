@@ -54,7 +54,7 @@ class SafetensorsCheckpoint:
             elif os.path.exists(index):
                 path = index
             else:
-                raise UsageError(f"{path} holds neither {WEIGHTS} nor {INDEX}; pass a safetensors file or a model directory")
+                raise UsageError(_no_weights(path))
         if not os.path.exists(path):
             raise UsageError(f"{path} does not exist; pass a safetensors file or a model directory")
         if path.endswith(".json"):
@@ -246,6 +246,23 @@ def _own_values(engine, pieces: list) -> dict:
     return kept
 
 
+def _short(value) -> str:
+    """``value`` for a one-line message: its repr, or its type if that is long."""
+    text = repr(value)
+    return text if len(text) <= 80 and "\n" not in text else f"a {type(value).__name__}"
+
+
+def _no_weights(directory: str) -> str:
+    """What is wrong with a directory holding no safetensors weights."""
+    torch_files = sorted(name for name in os.listdir(directory) if name.endswith((".bin", ".bin.index.json", ".pt")))
+    if torch_files:
+        return (f"{directory} holds PyTorch pickle weights ({in_brief(torch_files)}), which offload does not read "
+                f"(unpickling runs code, and needs the whole file in memory): save them as safetensors, e.g. "
+                f"transformers' model.save_pretrained(directory), whose default they are")
+    return (f"{directory} holds neither {WEIGHTS} nor {INDEX}: pass a directory that save_pretrained wrote (or, "
+            f"to load_weights, a safetensors file)")
+
+
 def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | None = None, allow_missing: bool = False,
                     param_groups=None):
     """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc., or an
@@ -270,19 +287,38 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
     if config is None:
         raise UsageError(f"{takes}; the config is missing")
     by_class = isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
+    if isinstance(model_class, torch.nn.Module):
+        raise UsageError(f"{takes}; got a {type(model_class).__name__} already built: pass its class, or hand the "
+                         f"model to offload.initialize(model, config, weights=directory)")
     if not by_class and not callable(getattr(model_class, "from_config", None)):  # an Auto class has from_config
-        raise UsageError(f"{takes}; got {model_class!r}")
+        raise UsageError(f"{takes}; got {_short(model_class)}")
     if not isinstance(path, (str, os.PathLike)):
-        raise UsageError(f"{takes}; got {path!r} for the directory")
+        raise UsageError(f"{takes}; got {_short(path)} for the directory")
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise UsageError(f"offload.from_pretrained reads a model directory; {path} is a file: pass the directory "
+                         f"it is in")
     if not os.path.isdir(path):
         raise UsageError(f"offload.from_pretrained reads a model from a local directory; {path!r} is not one (for a "
                          f"model on the Hugging Face Hub, download it first: huggingface_hub.snapshot_download(repo_id) "
                          f"returns its directory)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
         raise UsageError(f"{path} has no config.json, which offload.from_pretrained builds the model from (a "
                          f"directory that save_pretrained wrote has one)")
     if by_class:
+        # transformers builds a class from another model's config with the class's default sizes (a 7B Llama
+        # from a GPT-2's), with only a warning.
+        try:
+            with open(config_file) as f:
+                holds = json.load(f).get("model_type")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise UsageError(f"{config_file} is not a model's config ({exc})") from None
+        wants = model_class.config_class.model_type
+        if wants and holds != wants:
+            raise UsageError(f"{config_file} describes a {holds!r} model, and {model_class.__name__} builds "
+                             f"{wants!r} ones: pass the class for {holds!r}, or an Auto class "
+                             f"(transformers.AutoModelForCausalLM), which builds what the directory holds")
         model_config = model_class.config_class.from_pretrained(path)
         build = model_class
     else:  # an Auto class: the config names the model

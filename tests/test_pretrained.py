@@ -454,6 +454,20 @@ def test_from_pretrained_names_what_it_takes(tmp_path):
         offload.from_pretrained(str(tmp_path), transformers.AutoModelForCausalLM, config(2, "cpu", 1))
     with pytest.raises(UsageError, match=r"or an Auto class .*; got None for the directory"):
         offload.from_pretrained(transformers.AutoModelForCausalLM, None, config(2, "cpu", 1))
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(gpt2)
+    with pytest.raises(UsageError, match=r"got a GPT2LMHeadModel already built: pass its class") as caught:
+        offload.from_pretrained(transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(gpt2)), gpt2,
+                                config(2, "cpu", 1))
+    assert "\n" not in str(caught.value)
+    with pytest.raises(UsageError, match=r"config.json is a file: pass the directory it is in"):
+        offload.from_pretrained(transformers.AutoModelForCausalLM, gpt2 / "config.json", config(2, "cpu", 1))
+    # transformers would build a Llama of its default sizes (7B) from a GPT-2's config, with a warning
+    with pytest.raises(UsageError, match=r"config.json describes a 'gpt2' model, and LlamaForCausalLM builds 'llama'"):
+        offload.from_pretrained(transformers.LlamaForCausalLM, gpt2, config(2, "cpu", 1))
+    (gpt2 / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"holds PyTorch pickle weights \(pytorch_model.bin\), which offload does not"):
+        offload.from_pretrained(transformers.AutoModelForCausalLM, gpt2, config(2, "cpu", 1))
 
 
 @needs_hf

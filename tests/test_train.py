@@ -313,3 +313,21 @@ def test_the_largest_seed_gives_batches():
 
     data = ByteBatches(bytes(range(256)) * 64, 16, 2, seed=2**32 - 1)
     assert data.batch(10**6, 3, 7).shape == (2, 17)
+
+
+def test_steps_skipped_for_an_fp16_overflow_are_said_and_left_out_of_the_figures(tmp_path, capsys):
+    """A loss scale of 2^20 overflows fp16 at first: the skipped steps are
+    counted and said, with the loss scale they leave; the disk figures are
+    per step applied (each writes the whole state once), the timing split a
+    step applied's."""
+    config = tmp_path / "fp16.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "initial_scale_power": 20, "hysteresis": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    assert main(["train", "--model", "tiny", "--steps", "8", "--config", str(config), "--out", str(tmp_path / "o")]) == 0
+    s = summary_of(tmp_path / "o")
+    assert 1 <= s["skipped_steps"] < 8 and s["loss_scale"] == 2.0 ** (20 - s["skipped_steps"])
+    assert f"{s['skipped_steps']} of 8 steps skipped for an fp16 overflow" in capsys.readouterr().out
+    state = s["bytes_per_tier"]["nvme"]
+    assert s["disk_bytes_per_step"]["bytes_written"] == state

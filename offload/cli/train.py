@@ -18,7 +18,9 @@ recipes: biases and norm gains take none.
 The progress bar shows the loss, tokens/s, the step time split into compute
 (forward and backward), optimizer (CPU Adam), swap (waiting for the disk) and
 the rest, and the bytes held per tier. At the end, a summary JSON and a
-loss-curve PNG are written to --out. Under ``torchrun --nproc_per_node N -m
+loss-curve PNG are written to --out. The summary's figures are the median
+step's, its disk bytes those of a step; steps skipped for an fp16 overflow
+are counted and said, and left out of both. Under ``torchrun --nproc_per_node N -m
 offload train`` every rank trains on different batches (gloo on CPU, NCCL on
 GPUs); rank 0 reports.
 
@@ -253,11 +255,12 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     rows, losses = [], []
     bar = made.bar = Progress(args.steps, "train", enabled=rank == 0)
     eval_start = _evaluate(engine, evals)
+    engine.synchronize()  # the initial state's writes are initialize's, not a step's
+    disk_from = engine.disk_traffic()
     for step in range(args.steps):
         if engine.schedule is None:
             engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
         start = time.perf_counter()
-        disk0 = engine.disk_traffic()
         compute, loss_sum = 0.0, 0.0
         for micro in range(accumulation):
             t0 = time.perf_counter()
@@ -268,12 +271,11 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         engine.step()
         wall = time.perf_counter() - start
         detail = engine.times.optimizer_detail
-        disk = engine.disk_traffic() - disk0
         mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
         mean_loss = comm.all_reduce(mean).item() / world
         row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
                "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
-               "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written}
+               "applied": engine.was_step_applied()}  # not skipped for an fp16 overflow
         row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
         rows.append(row)
         losses.append(mean_loss)
@@ -282,9 +284,14 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
                     f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
                     + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
+    engine.synchronize()  # the last step's write-backs, so that they count
+    disk = engine.disk_traffic() - disk_from
     eval_end = _evaluate(engine, evals)
     report = engine.memory_report()
-    measured = rows[1:] or rows  # the first step also pays one-time costs
+    # As the disk's figures: a step skipped for an fp16 overflow steps no state.
+    after_first = rows[1:] or rows
+    measured = [r for r in after_first if r["applied"]] or after_first
+    applied = max(1, sum(r["applied"] for r in rows))
     median = sorted(measured, key=lambda r: r["wall"])[len(measured) // 2]  # one step's split, so its parts add up
     return {
         "model": args.model, "model_config": dataclasses.asdict(model_config), "params": model_config.params(),
@@ -297,7 +304,9 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "tokens_per_s": tokens_per_step / median["wall"],
         "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other")},
-        "disk_bytes_per_step": {k: statistics.median(r[k] for r in measured) for k in ("bytes_read", "bytes_written")},  # this rank's
+        # This rank's, per step applied, over all steps (each step's write-backs finish during the next).
+        "disk_bytes_per_step": {"bytes_read": disk.bytes_read / applied, "bytes_written": disk.bytes_written / applied},
+        "skipped_steps": sum(not r["applied"] for r in rows), "loss_scale": engine.loss_scale,
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),
         "peak_bytes_per_tier": report.by_tier("peak_bytes"),
@@ -366,6 +375,8 @@ def _report(s: dict, out_dir: str) -> str:
         f"{s['world_size']} rank(s), {s['tokens_per_step']:,} tokens per step",
         f"loss {s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}; held-out {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}",
         f"{s['tokens_per_s']:,.0f} tokens/s; median step {t['wall']:.3f}s: {split}",
+        *([f"{s['skipped_steps']} of {s['steps']} steps skipped for an fp16 overflow (not in the figures above); "
+           f"loss scale now {s['loss_scale']:g}"] if s["skipped_steps"] else []),
         f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read, "
         f"{human_bytes(disk['bytes_written'])} written; peak per tier{' (rank 0)' if s['world_size'] > 1 else ''}: "
         f"{peaks}",

@@ -231,7 +231,12 @@ def _header(args: argparse.Namespace, config: offload.Config, made: _Made) -> st
         swap = f"swap files under {made.swap_dir} (in a directory of their own, removed at the end)"
     z = config.zero_optimization
     return (f"offload train: config {_shown(args.config or DEFAULT_CONFIG)} (ZeRO stage {z.stage}, optimizer on "
-            f"{z.offload_optimizer.device}, {config.compute_dtype_name} compute); {swap}; results in {made.out}")
+            f"{_tier(z.offload_optimizer.device)}, {config.compute_dtype_name} compute); {swap}; results in {made.out}")
+
+
+def _tier(device: str) -> str:
+    """offload_*.device as a place: "none" keeps the state on the accelerator."""
+    return "the accelerator" if device == "none" else device
 
 
 def _shown(path: str) -> str:
@@ -353,9 +358,9 @@ def _plot(summary: dict, path: str) -> None:
     ax.set_xlabel(f"step ({summary['tokens_per_step']:,} tokens each)")
     ax.set_ylabel("cross-entropy (nats per byte)")
     z = summary["config"]["zero_optimization"]
-    where = f"optimizer on {z['offload_optimizer']['device']}"
+    where = f"optimizer on {_tier(z['offload_optimizer']['device'])}"
     if z["stage"] == 3:
-        where += f", weights on {z['offload_param']['device']}"
+        where += f", weights on {_tier(z['offload_param']['device'])}"
     ax.set_title(f"offload train: GPT {summary['model']} ({summary['params'] / 1e6:.1f}M), "
                  f"ZeRO stage {z['stage']}, {where}, {summary['world_size']} rank(s)", fontsize=9)
     ax.grid(alpha=0.3)

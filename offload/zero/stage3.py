@@ -286,9 +286,10 @@ class PartitionedWeights:
             (slot,) = bucket.slots
             self._managed[slot.param] = _Managed(slot, bucket, owner, key, "cpu" if i < in_cpu else self.tier,
                                                  slot.numel <= zero.stage3_param_persistence_threshold)
-        if self.tier == "nvme" and in_cpu:
+        none_partitioned = bool(self._managed) and all(m.persistent for m in self._managed.values())
+        if self.tier == "nvme" and in_cpu and not none_partitioned:  # else the warning below says why nothing is
             _say_what_stays_in_cpu(parts, in_cpu, param_cfg.max_in_cpu)
-        if layout.rank == 0 and self._managed and all(m.persistent for m in self._managed.values()):
+        if layout.rank == 0 and none_partitioned:
             held = "" if self.tier == "none" else f", and offload_param.device {self.tier!r} holds none"
             warnings.warn(f"offload: every parameter has at most zero_optimization.stage3_param_persistence_threshold "
                           f"({zero.stage3_param_persistence_threshold:,}) elements, so all stay whole on every "

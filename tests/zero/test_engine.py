@@ -587,6 +587,19 @@ def test_stage_3_that_partitions_nothing_is_said(threshold, said):
         assert "offload_param.device 'cpu' holds none" in told[0]
 
 
+def test_stage_3_that_partitions_nothing_says_only_that(tmp_path):
+    """Not also what offload_param.max_in_cpu keeps in host memory, with advice to
+    set it to 0, which would change nothing."""
+    cfg = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload.initialize(make_model(), cfg).close()
+    said = [str(w.message) for w in caught]
+    assert any("partitions none of them" in m for m in said) and not any("max_in_cpu" in m for m in said), said
+
+
 def test_deepspeeds_checkpoint_arguments(tmp_path):
     """save_latest as there; a partial load refused by name; nothing to load:
     (None, None) with a warning, as DeepSpeed's "resume if any" reads it."""

@@ -10,26 +10,16 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "errors.h"
+#include "float_bits.h"
 #include "parallel.h"
 
+using offload_native::bits_of;
 using offload_native::fail;
+using offload_native::float_of;
 
 namespace {
-
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // IEEE half to float, exactly: normal numbers and Inf/NaN move their exponent
 // and mantissa into place and rebias; zeros and subnormals are their mantissa
@@ -39,13 +29,13 @@ inline float half_to_float(uint16_t h) {
   const uint32_t em = static_cast<uint32_t>(h) & 0x7fffu;
   uint32_t bits = (em << 13) + (uint32_t{127 - 15} << 23);
   bits = em >= 0x7c00u ? bits + (uint32_t{128 - 16} << 23) : bits;
-  const float magnitude = em < 0x0400u ? static_cast<float>(em) * 0x1p-24f : from_bits(bits);
-  return from_bits(to_bits(magnitude) | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
+  const float magnitude = em < 0x0400u ? static_cast<float>(em) * 0x1p-24f : float_of(bits);
+  return float_of(bits_of(magnitude) | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void add_bf16(float* dst, const uint16_t* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] += from_bits(static_cast<uint32_t>(src[i]) << 16);
+  for (int64_t i = 0; i < n; ++i) dst[i] += float_of(static_cast<uint32_t>(src[i]) << 16);
 }
 
 void add_f16_scalar(float* dst, const uint16_t* src, int64_t n) {

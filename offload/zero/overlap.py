@@ -5,8 +5,9 @@ With ``offload_optimizer.overlap_step``, during the backward that ends an
 accumulation window, each sub-group of the owned shard whose gradient is
 complete (every bucket meeting it reduced in this backward) goes to a worker
 thread, which waits for its gradient parts to land (Note [landing off
-backward's thread]), sums their squares (Note [gradient statistics]), saves its optimizer state and runs its Adam step, and keeps its
-new weights aside: backward goes on meanwhile. Sub-groups at the end of the
+backward's thread]), sums their squares (Note [gradient statistics]), saves
+its optimizer state and runs its Adam step, and keeps its new weights aside:
+backward goes on meanwhile. Sub-groups at the end of the
 owned shard complete first, since backward runs from the last layers. The
 step is speculative: it assumes the multiplier the plain step uses when no
 clipping binds and no fp16 overflow occurs, 1 / (ranks x loss scale), and the

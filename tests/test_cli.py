@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 
 import offload
 from offload import _native
-from offload.cli import bench_adam, bench_step, main
+from offload.cli import bench_adam, bench_step, cpu_times, main
 from offload.errors import ConfigError, SwapIOError
 from offload.models.gpt import GPT, SIZES
 from offload.store import State
@@ -112,6 +113,12 @@ def test_bench_step_reports_every_setups_critical_path(tmp_path, capsys):
         assert setup["hidden"]["optimizer"] == pytest.approx(max(0.0, setup["optimizer_work"] - critical["optimizer"]))
         assert setup["hidden_fraction"] == pytest.approx(bench_step.hidden_fraction(setup))
         assert critical["forward"] + critical["backward"] + critical["optimizer"] <= setup["wall_s"] * 1.001, name
+    # Note [stolen time]: every core's time in the step is busy, idle or stolen, to
+    # within the kernel's tick on each core (two steps: their median wall is their mean).
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    for name, setup in setups.items():
+        counted = sum(setup["core_s"].values())
+        assert abs(counted - os.cpu_count() * setup["wall_s"]) <= 2 * os.cpu_count() * tick, (name, setup["core_s"])
     assert result["ratios"] == pytest.approx({"nvme+overlap / nvme": setups["nvme+overlap"]["wall_s"] / nvme["wall_s"],
                                               "cpu+dpu / cpu": setups["cpu+dpu"]["wall_s"] / setups["cpu"]["wall_s"]})
     disk = max(expected / (result["disk_read_gbps"] * 1e9), expected / (result["disk_write_gbps"] * 1e9))
@@ -150,6 +157,43 @@ def test_bench_step_measures_each_setup_after_its_own_step_on_a_quiet_disk(tmp_p
     assert [len({engine for engine, _ in turn}) for turn in turns] == [1] * 9
     assert [turn[0][0] for turn in turns] == list(stores) * 3
     assert len(calls) == 9 * 2 and not [busy for _, busy in calls if busy]
+
+
+def test_bench_step_counts_the_cores_over_the_measured_step_only(tmp_path, capsys, monkeypatch):
+    """A machine whose two cores are busy in forward, idle in backward and
+    stolen in the step, measured on perf_counter's clock, not in ticks."""
+    spent = {kind: 0.0 for kind in ("forward", "backward", "optimizer")}
+
+    def charged(name, method):
+        def run(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
+    def now():
+        return cpu_times.CoreSeconds(2 * spent["forward"], 2 * spent["backward"], 2 * spent["optimizer"])
+
+    engine_class = offload.Engine
+    monkeypatch.setattr(engine_class, "__call__", charged("forward", engine_class.__call__))
+    monkeypatch.setattr(engine_class, "backward", charged("backward", engine_class.backward))
+    monkeypatch.setattr(engine_class, "step", charged("optimizer", engine_class.step))
+    monkeypatch.setattr(cpu_times, "now", now)
+    argv = ["bench", "step", "--model", "tiny", "--setups", "cpu", "--steps", "2", "--json"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["setups"]["cpu"]
+    critical = got["critical"]  # two steps: the medians are the means
+    assert got["core_s"] == pytest.approx({"busy": 2 * critical["forward"], "idle": 2 * critical["backward"],
+                                           "stolen": 2 * critical["optimizer"]}, rel=0.05)
+
+
+def test_core_seconds_come_from_the_aggregate_cpu_line():
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    text = "cpu  100 5 20 300 7 1 2 40 0 0\ncpu0 50 5 10 150 3 1 1 20 0 0\nintr 12345\n"
+    assert cpu_times.parse(text) == pytest.approx(cpu_times.CoreSeconds(128 * tick, 307 * tick, 40 * tick))
+    assert cpu_times.parse(text) - cpu_times.parse(text.replace("cpu  100", "cpu  110")) == pytest.approx((-10 * tick, 0, 0))
 
 
 def test_the_hidden_share_is_not_clamped():

@@ -16,7 +16,9 @@ during backward or the next forward: hidden), the wall time per step
 (``wall_s``), the CPU seconds the swap files' CRC-32C checksums took per step
 on the I/O threads and in the Adam pass (``checksum_cpu_s``: the I/O threads'
 share is beside the critical path but competes with it for cores; the pass's
-share is on it wherever the Adam step is), and the ratios of the overlapped and
+share is on it wherever the Adam step is), the machine's core-seconds per
+step, busy, idle and stolen by a hypervisor (``core_s``, on Linux: Note
+[stolen time]; every process's, so a quiet machine matters), and the ratios of the overlapped and
 delayed setups to their plain one. Also how long each setup's
 ``offload.initialize`` took, until its initial state was written
 (``initialize_s``), and the bytes that moved over the disk for it. A step's
@@ -57,7 +59,7 @@ import torch
 
 import offload
 from offload import _native
-from offload.cli import bench_swap
+from offload.cli import bench_swap, cpu_times
 from offload.cli.args import model_name, positive_int
 from offload.cli.progress import Progress
 from offload.config import Config
@@ -176,6 +178,7 @@ def _turn(engine, tokens: torch.Tensor) -> dict:
 def _one_step(engine, tokens: torch.Tensor) -> dict:
     copy_before = engine.reducer.seconds
     before = engine.disk_traffic()
+    cores = cpu_times.now()
     t0 = time.perf_counter()
     loss = engine(tokens)
     t1 = time.perf_counter()
@@ -183,11 +186,12 @@ def _one_step(engine, tokens: torch.Tensor) -> dict:
     t2 = time.perf_counter()
     engine.step()
     t3 = time.perf_counter()
+    cores = cpu_times.now() - cores if cores is not None else None
     disk = engine.disk_traffic() - before
     step_s = t3 - t2
     work = engine.update.optimizer_work(engine.times, step_s)
     return {"wall": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "gradient_copy": engine.reducer.seconds - copy_before,
-            "optimizer": step_s, "optimizer_work": work, **disk._asdict()}
+            "optimizer": step_s, "optimizer_work": work, "cores": cores, **disk._asdict()}
 
 
 def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
@@ -221,13 +225,15 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
             engine.close(restore_model=False)
     result = {}
     for setup, got in rows.items():
-        med = {k: statistics.median(r[k] for r in got) for k in got[0]}
+        med = {k: statistics.median(r[k] for r in got) for k in got[0] if k != "cores"}
         critical = {k: med[k] for k in ("forward", "backward", "gradient_copy", "optimizer")}
         result[setup] = {"wall_s": med["wall"], "critical": critical, "optimizer_work": med["optimizer_work"],
                          "hidden": {"optimizer": max(0.0, med["optimizer_work"] - med["optimizer"])},
                          **{k: med[k] for k in ("bytes_read", "bytes_written", "bytes_kept")},
                          "checksum_cpu_s": med["checksums"], **initialized[setup]}
         result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
+        if got[0]["cores"] is not None:  # means: the kernel counts in ticks (Note [stolen time])
+            result[setup]["core_s"] = {k: statistics.fmean(getattr(r["cores"], k) for r in got) for k in cpu_times.CoreSeconds._fields}
     if windows:
         result["nvme"]["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
     return result
@@ -263,9 +269,16 @@ def report(r: dict) -> str:
     lines.append(f"{'optimizer (hidden)':24}" + "".join(f"{v['hidden']['optimizer']:>14.3f}" for v in s.values()))
     lines.append(f"{'wall':24}" + "".join(f"{v['wall_s']:>14.3f}" for v in s.values()))
     lines.append(f"{'swap checksums (CPU)':24}" + "".join(f"{v['checksum_cpu_s']:>14.3f}" for v in s.values()))
+    if all("core_s" in v for v in s.values()):
+        for kind in cpu_times.CoreSeconds._fields:
+            lines.append(f"{'cores ' + kind + ' (core-s)':24}" + "".join(f"{v['core_s'][kind]:>14.3f}" for v in s.values()))
     lines.append(f"{'initialize':24}" + "".join(f"{v['initialize_s']:>14.3f}" for v in s.values()))
     disk = [(v["initialize_bytes_read"] + v["initialize_bytes_written"]) / 1e9 for v in s.values()]
     lines.append(f"{'  its disk GB (r + w)':24}" + "".join(f"{gb:>14.3f}" for gb in disk))
+    if any(v.get("core_s", {}).get("stolen", 0.0) > 0.01 for v in s.values()):
+        lines += ["", "cores stolen: time the hypervisor ran its own work on this machine's cores while they had work, "
+                  "as a virtual disk's reads and writes do; I/O moved behind compute then costs CPU (Note [stolen time], "
+                  "offload/cli/cpu_times.py; benchmarks/io_cpu_cost.py measures it per GB)"]
     if r["ratios"]:
         lines += [""] + [f"{name}: {ratio:.2f}x the step time" for name, ratio in r["ratios"].items()]
     if "pipeline_efficiency" in r:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 import offload
 from offload import _native
 from offload.cli import main
+from offload.zero import optimizer as optimizer_module
 
 from .zero.harness import free_port
 
@@ -68,7 +70,7 @@ def test_train_end_to_end(tmp_path, capsys, monkeypatch):
     assert len(s["losses"]) == 8
     assert s["losses"][-1] < s["losses"][0] - 0.2 and s["eval_loss_end"] < s["eval_loss_start"] - 0.2
     split = s["seconds_per_step"]
-    assert set(split) == {"wall", "compute", "optimizer", "swap", "other"}
+    assert set(split) == {"wall", "compute", "optimizer", "swap", "other", "optimizer_hidden"}
     assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / split["wall"])
     # The median step's own split: its parts add up to its time, as the printed percentages do to 100%.
     assert split["compute"] + split["optimizer"] + split["swap"] + split["other"] == pytest.approx(split["wall"])
@@ -79,6 +81,31 @@ def test_train_end_to_end(tmp_path, capsys, monkeypatch):
     assert s["weight_decay"] == "0.01 on weight matrices, none on biases and norm gains"
     assert (out / "loss.png").read_bytes()[:8] == PNG
     assert os.listdir(nvme) == []
+
+
+@native
+@pytest.mark.parametrize("extra", [{"delayed_update": True, "delayed_update_warmup": 1}, {"overlap_step": True}])
+def test_optimizer_work_beside_compute_is_given_apart_from_the_step(tmp_path, capsys, monkeypatch, extra):
+    """The delayed update's Adam runs during the next forward and backward, the
+    overlapped step's during backward: counted in the step's split as well, the
+    parts added up to more than the step. Each sub-group's Adam is made 3 ms
+    longer, so there is work beside compute to count in every step."""
+    adam_step = optimizer_module.adam_step
+
+    def slower(*args, **kwargs):
+        time.sleep(0.003)
+        return adam_step(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "adam_step", slower)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "sub_group_size": 20_000, "reduce_bucket_size": 20_000,
+                                                        "offload_optimizer": {"device": "cpu", **extra}}}))
+    assert main(["train", "--config", str(config), "--model", "tiny", "--steps", "6", "--out", str(tmp_path / "o")]) == 0
+    split = summary_of(tmp_path / "o")["seconds_per_step"]
+    assert split["compute"] + split["optimizer"] + split["swap"] + split["other"] == pytest.approx(split["wall"])
+    assert min(split.values()) >= 0.0
+    assert split["optimizer_hidden"] >= 0.003, split  # one sub-group's at least
+    assert f"beside compute, {split['optimizer_hidden']:.3f}s more of optimizer work" in capsys.readouterr().out
 
 
 def _temporary_directory(tmp_path) -> dict:

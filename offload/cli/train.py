@@ -16,8 +16,11 @@ unless the config has a ``scheduler`` section: then that schedule sets it.
 The config's weight decay applies to the weight matrices only, as in GPT-2
 recipes: biases and norm gains take none.
 The progress bar shows the loss, tokens/s, the step time split into compute
-(forward and backward), optimizer (CPU Adam), swap (waiting for the disk) and
-the rest, and the bytes held per tier. At the end, a summary JSON and a
+(forward and backward), optimizer (``step()``: the CPU Adam, the gradient's
+norm, handing the weights over), swap (``step()`` waiting for the disk) and
+the rest (the loss's all-reduce, the batch), and the bytes held per tier; the
+optimizer work that ran beside compute instead (``overlap_step``,
+``delayed_update``) is given apart, as it is not in the step's time. At the end, a summary JSON and a
 loss-curve PNG are written to --out. The summary's figures are the median
 step's, its disk bytes those of a step; steps skipped for an fp16 overflow
 are counted and said, and left out of both. Under ``torchrun --nproc_per_node N -m
@@ -273,21 +276,21 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             engine.backward(loss)
             compute += time.perf_counter() - t0
             loss_sum += loss.item()
+        t0 = time.perf_counter()
         engine.step()
-        wall = time.perf_counter() - start
-        detail = engine.times.optimizer_detail
+        step_s = time.perf_counter() - t0
         mean = torch.tensor([loss_sum / accumulation], dtype=torch.float64, device=engine.device)  # NCCL: on the GPU
         mean_loss = comm.all_reduce(mean).item() / world
-        row = {"wall": wall, "compute": compute, "optimizer": detail.get("adam", 0.0),
-               "swap": detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0),
+        wall = time.perf_counter() - start
+        row = {"wall": wall, "compute": compute, **_step_split(engine, step_s), "other": wall - compute - step_s,
                "applied": engine.was_step_applied()}  # not skipped for an fp16 overflow
-        row["other"] = max(0.0, wall - row["compute"] - row["optimizer"] - row["swap"])
         rows.append(row)
         losses.append(mean_loss)
         if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
             tiers = engine.memory_report().by_tier()
+        beside = f" (+{1e3 * row['optimizer_hidden']:.0f}ms beside)" if row["optimizer_hidden"] else ""
         bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
-                    f"optim {1e3 * row['optimizer']:.0f}ms swap {1e3 * row['swap']:.0f}ms | "
+                    f"optim {1e3 * row['optimizer']:.0f}ms{beside} swap {1e3 * row['swap']:.0f}ms | "
                     + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
     engine.synchronize()  # the last step's write-backs, so that they count
     disk = engine.disk_traffic() - disk_from
@@ -308,7 +311,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "weight_decay": f"{config.optimizer.params.weight_decay} on weight matrices, none on biases and norm gains",
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "tokens_per_s": tokens_per_step / median["wall"],
-        "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other")},
+        "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other", "optimizer_hidden")},
         # This rank's, per step applied, over all steps (each step's write-backs finish during the next).
         "disk_bytes_per_step": {"bytes_read": disk.bytes_read / applied, "bytes_written": disk.bytes_written / applied},
         "skipped_steps": sum(not r["applied"] for r in rows), "loss_scale": engine.loss_scale,
@@ -370,9 +373,24 @@ def _plot(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _step_split(engine, step_s: float) -> dict:
+    """``step()``'s seconds split into its waits for the disk (``swap``) and the
+    rest (``optimizer``), and the optimizer's work that ran beside compute
+    instead (``optimizer_hidden``: the overlapped step's worker during
+    backward, the delayed update's during the next forward and backward)."""
+    detail = engine.times.optimizer_detail
+    # A delayed update's detail is its worker's, whose disk waits were beside compute.
+    swap = 0.0 if engine.update.ahead else detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0)
+    swap = min(swap, step_s)
+    hidden = max(0.0, engine.update.optimizer_work(engine.times, step_s) - step_s)
+    return {"optimizer": step_s - swap, "swap": swap, "optimizer_hidden": hidden}
+
+
 def _report(s: dict, out_dir: str) -> str:
     t = s["seconds_per_step"]
     split = ", ".join(f"{k} {t[k]:.3f}s ({t[k] / t['wall']:.0%})" for k in ("compute", "optimizer", "swap", "other"))
+    if t["optimizer_hidden"]:
+        split += f"; beside compute, {t['optimizer_hidden']:.3f}s more of optimizer work"
     disk = s["disk_bytes_per_step"]
     peaks = ", ".join(f"{tier} {human_bytes(b)}" for tier, b in s["peak_bytes_per_tier"].items())
     return "\n".join([

@@ -632,7 +632,7 @@ class Engine:
         """Write the consolidated weights (``dtype``: float32, bfloat16 or
         float16) to a safetensors file, one parameter at a time: the whole model
         is never in host memory at once. Every rank must call it; rank 0 writes."""
-        self._refuse_destination("export", lambda: file_problem(os.fspath(path)))
+        self.refuse_destination("export", lambda: file_problem(os.fspath(path)))
         write_safetensors(path, self.export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
 
     @_while_open
@@ -643,7 +643,7 @@ class Engine:
         shards of at most ``max_shard_bytes`` with their index (Hugging Face's
         names), streamed one parameter at a time. Every rank must call it; rank
         0 writes. Returns the files written (on rank 0)."""
-        self._refuse_destination("save_pretrained", lambda: directory_problem(os.fspath(directory), with_parents=True))
+        self.refuse_destination("save_pretrained", lambda: directory_problem(os.fspath(directory), with_parents=True))
         return write_pretrained(directory, self.export_plan(dtype), self.full_weights(dtype),
                                 model_configs(self.module), max_shard_bytes, write=self.rank == 0)
 
@@ -660,7 +660,7 @@ class Engine:
         call it; rank 0 writes. Returns True, as DeepSpeed does when it saved."""
         save_dir = os.fspath(save_dir)
         path = os.path.join(save_dir, save_filename)
-        self._refuse_destination("save_16bit_model", lambda: directory_problem(save_dir, with_parents=True) or (
+        self.refuse_destination("save_16bit_model", lambda: directory_problem(save_dir, with_parents=True) or (
             file_problem(path) if os.path.isdir(save_dir) else None))
         if self.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -674,10 +674,12 @@ class Engine:
                 pass
         return True
 
-    def _refuse_destination(self, call: str, problem: Callable[[], str | None]) -> None:
+    def refuse_destination(self, call: str, problem: Callable[[], str | None]) -> None:
         """What is wrong with where ``call`` would write, as rank 0 (the writer)
         finds it, raised on every rank before any work: the others must not go
-        on into the save's collectives (``destinations``)."""
+        on into the save's collectives (``destinations``). Every rank calls it;
+        for a caller's own save (``OffloadTrainer.save_model`` of an adapter)
+        as for the engine's."""
         found = None
         if self.rank == 0:
             try:
@@ -703,7 +705,7 @@ class Engine:
         rank must call it. With the delayed update, the update in flight is
         applied first, so the weights saved are the optimizer's newest.
         Returns the checkpoint directory."""
-        self._refuse_destination("save_checkpoint", lambda: directory_problem(os.fspath(save_dir), with_parents=True))
+        self.refuse_destination("save_checkpoint", lambda: directory_problem(os.fspath(save_dir), with_parents=True))
         return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters, save_latest)
 
     @_while_open

@@ -409,7 +409,7 @@ class OffloadTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if is_peft_model(self.model):
             # Before the adapter is gathered (the engine's save_pretrained checks its own): PEFT's errors name no path.
-            self.engine._refuse_destination("OffloadTrainer.save_model",
+            self.engine.refuse_destination("OffloadTrainer.save_model",
                                             lambda: directory_problem(os.fspath(output_dir), with_parents=True))
             adapter = self.engine.state_dict(dtype=self.engine.dtype, exclude_frozen_parameters=True)
             # PEFT freezes the adapters it is not training: their weights are left out above, so only

@@ -42,6 +42,7 @@ class PhaseTimes:
     optimizer: float = 0.0  # the whole update: Adam, swaps, handing weights over
     publish: float = 0.0  # the new weights into the model (stages 1-2: copy and all-gather)
     dpu_wait: float = 0.0  # waiting for the delayed update in flight
+    hidden: float = 0.0  # optimizer work a worker did beside compute, not waited for in step()
     optimizer_detail: dict = field(default_factory=dict)  # the optimizer's own split (StepTimes)
 
 

@@ -85,16 +85,16 @@ def test_opened_direct_reads_the_kernel_flags(tmp_path):
     plain.write_bytes(b"x" * 4096)
     fd = os.open(plain, os.O_RDONLY)
     try:
-        assert not bench_swap._opened_direct([str(plain)])
+        assert not bench_swap.opened_direct([str(plain)])
     finally:
         os.close(fd)
-    assert not bench_swap._opened_direct([str(plain)])  # not open at all
+    assert not bench_swap.opened_direct([str(plain)])  # not open at all
     try:
         fd = os.open(plain, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     try:
-        assert bench_swap._opened_direct([str(plain)])
+        assert bench_swap.opened_direct([str(plain)])
     finally:
         os.close(fd)
 

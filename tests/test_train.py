@@ -88,12 +88,12 @@ def test_train_end_to_end(tmp_path, capsys, monkeypatch):
 def test_optimizer_work_beside_compute_is_given_apart_from_the_step(tmp_path, capsys, monkeypatch, extra):
     """The delayed update's Adam runs during the next forward and backward, the
     overlapped step's during backward: counted in the step's split as well, the
-    parts added up to more than the step. Each sub-group's Adam is made 3 ms
+    parts added up to more than the step. Each sub-group's Adam is made 10 ms
     longer, so there is work beside compute to count in every step."""
     adam_step = optimizer_module.adam_step
 
     def slower(*args, **kwargs):
-        time.sleep(0.003)
+        time.sleep(0.01)
         return adam_step(*args, **kwargs)
 
     monkeypatch.setattr(optimizer_module, "adam_step", slower)
@@ -104,7 +104,7 @@ def test_optimizer_work_beside_compute_is_given_apart_from_the_step(tmp_path, ca
     split = summary_of(tmp_path / "o")["seconds_per_step"]
     assert split["compute"] + split["optimizer"] + split["swap"] + split["other"] == pytest.approx(split["wall"])
     assert min(split.values()) >= 0.0
-    assert split["optimizer_hidden"] >= 0.003, split  # one sub-group's at least
+    assert split["optimizer_hidden"] >= 0.003, split  # most of one sub-group's
     assert f"beside compute, {split['optimizer_hidden']:.3f}s more of optimizer work" in capsys.readouterr().out
 
 

@@ -18,7 +18,9 @@ on the I/O threads and in the Adam pass (``checksum_cpu_s``: the I/O threads'
 share is beside the critical path but competes with it for cores; the pass's
 share is on it wherever the Adam step is), the machine's core-seconds per
 step, busy, idle and stolen by a hypervisor (``core_s``, on Linux: Note
-[stolen time]; every process's, so a quiet machine matters), and the ratios of the overlapped and
+[stolen time]; every process's, so a quiet machine matters), means over the
+measured steps, which add up to the cores times their mean step
+(``core_s_step_s``), and the ratios of the overlapped and
 delayed setups to their plain one. Also how long each setup's
 ``offload.initialize`` took, until its initial state was written
 (``initialize_s``), and the bytes that moved over the disk for it. A step's
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         result = {"model": args.model, "params": SIZES[args.model].params(), "stage": args.stage,
                   "offload_param": args.offload_param, "setups": measure(args, setups, nvme)}
         if "nvme" in result["setups"]:
-            disk = bench_swap.measure(nvme, min(12 * result["params"], 1 << 30), _aio())
+            disk = bench_swap.measure(nvme, min(12 * result["params"], 1 << 30), aio_settings())
             io = result["setups"]["nvme"]["io"]
             result["disk_read_gbps"], result["disk_write_gbps"] = disk["read_gbps"], disk["write_gbps"]
             # The slower direction bounds the time: reads and writes may run at once.
@@ -140,13 +142,13 @@ def hidden_fraction(setup: dict) -> float:
     return 1 - setup["critical"]["optimizer"] / work if work else 0.0
 
 
-def _aio() -> AioSettings:
+def aio_settings() -> AioSettings:
     return AioSettings(block_size=8 << 20, queue_depth=32, thread_count=1)
 
 
 def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
     device, extras = SETUPS[setup]
-    a = _aio()
+    a = aio_settings()
     offload_optimizer = {"device": device, **extras}
     if device == "nvme":
         offload_optimizer.update(nvme_path=nvme, buffer_count=args.buffer_count)
@@ -189,7 +191,7 @@ def _one_step(engine, tokens: torch.Tensor) -> dict:
     cores = cpu_times.now() - cores if cores is not None else None
     disk = engine.disk_traffic() - before
     step_s = t3 - t2
-    work = engine.update.optimizer_work(engine.times, step_s)
+    work = step_s + engine.times.hidden  # the optimizer's work wherever it ran
     return {"wall": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "gradient_copy": engine.reducer.seconds - copy_before,
             "optimizer": step_s, "optimizer_work": work, "cores": cores, **disk._asdict()}
 
@@ -232,8 +234,9 @@ def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:
                          **{k: med[k] for k in ("bytes_read", "bytes_written", "bytes_kept")},
                          "checksum_cpu_s": med["checksums"], **initialized[setup]}
         result[setup]["hidden_fraction"] = hidden_fraction(result[setup])
-        if got[0]["cores"] is not None:  # means: the kernel counts in ticks (Note [stolen time])
+        if got[0]["cores"] is not None:  # means, over the mean step: Note [stolen time]
             result[setup]["core_s"] = {k: statistics.fmean(getattr(r["cores"], k) for r in got) for k in cpu_times.CoreSeconds._fields}
+            result[setup]["core_s_step_s"] = statistics.fmean(r["wall"] for r in got)
     if windows:
         result["nvme"]["io"] = {k: statistics.median(w[k] for w in windows) for k in windows[0]}
     return result
@@ -270,8 +273,9 @@ def report(r: dict) -> str:
     lines.append(f"{'wall':24}" + "".join(f"{v['wall_s']:>14.3f}" for v in s.values()))
     lines.append(f"{'swap checksums (CPU)':24}" + "".join(f"{v['checksum_cpu_s']:>14.3f}" for v in s.values()))
     if all("core_s" in v for v in s.values()):
+        lines.append(f"{'mean step':24}" + "".join(f"{v['core_s_step_s']:>14.3f}" for v in s.values()))
         for kind in cpu_times.CoreSeconds._fields:
-            lines.append(f"{'cores ' + kind + ' (core-s)':24}" + "".join(f"{v['core_s'][kind]:>14.3f}" for v in s.values()))
+            lines.append(f"{'  cores ' + kind + ' (core-s)':24}" + "".join(f"{v['core_s'][kind]:>14.3f}" for v in s.values()))
     lines.append(f"{'initialize':24}" + "".join(f"{v['initialize_s']:>14.3f}" for v in s.values()))
     disk = [(v["initialize_bytes_read"] + v["initialize_bytes_written"]) / 1e9 for v in s.values()]
     lines.append(f"{'  its disk GB (r + w)':24}" + "".join(f"{gb:>14.3f}" for gb in disk))

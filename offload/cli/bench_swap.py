@@ -256,7 +256,7 @@ def _describe_store(store: TieredStore, settings: AioSettings) -> dict:
     return {"engine": settings.backend, "files": len(paths), "file_bytes": sizes[0] if len(sizes) == 1 else sizes,
             "data_offset": HEADER_BYTES, "block_size": store.engine.block_size, "threads": settings.thread_count,
             "depth_per_thread": depths, "total_depth": sum(depths),
-            "kernel_aio_threads": getattr(store.engine, "kernel_aio_workers", 0), "direct": _opened_direct(paths)}
+            "kernel_aio_threads": getattr(store.engine, "kernel_aio_workers", 0), "direct": opened_direct(paths)}
 
 
 def _depth_shares(queue_depth: int, threads: int) -> list[int]:
@@ -264,7 +264,7 @@ def _depth_shares(queue_depth: int, threads: int) -> list[int]:
     return [max(1, queue_depth // threads + (i < queue_depth % threads)) for i in range(threads)]
 
 
-def _opened_direct(paths: list[str]) -> bool:
+def opened_direct(paths: list[str]) -> bool:
     """Whether this process holds every one of ``paths`` open with O_DIRECT, as
     the kernel reports it: the engine falls back to buffered I/O on tmpfs and on
     filesystems that refuse direct I/O."""

@@ -7,13 +7,18 @@ runnable but not running as stolen. On the 2-core machines this project is
 measured on, the emulated disk is such work: every read and write costs host
 CPU on the same cores. While the guest's cores are idle that is invisible (it
 runs while they are halted); while they compute, it is taken from them:
-``python benchmarks/io_cpu_cost.py`` measured 0.36-0.56 stolen core-seconds
+``python benchmarks/io_cpu_cost.py`` measured 0.30-0.65 stolen core-seconds
 per GB read or written with both cores busy, and none with both idle, on an
 AMD EPYC (Zen 2) VM (benchmarks/RESULTS.md, "What a swap file's I/O costs the
 cores"). So I/O that
 a plain step waits for costs wall time, and the same I/O moved behind compute
 (``overlap_step``, the read-ahead) costs CPU instead: there the overlap can
 gain only the difference. A disk that moves data by DMA steals nothing.
+
+The kernel counts each core's time in whole ticks (``SC_CLK_TCK``, 10 ms
+here): one step's figures are exact only to a tick per core, so a median
+over steps would move in steps of a tick. ``offload bench step`` gives means
+over the measured steps instead, with the mean step they add up to.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ def parse(text: str) -> CoreSeconds:
 
 
 def now() -> CoreSeconds | None:
-    """None where there is no /proc/stat (not Linux)."""
+    """None where there is no /proc/stat (not Linux), or none with a ``cpu`` line."""
     try:
         with open(_STAT) as f:
             return parse(f.read())
-    except OSError:
+    except (OSError, StopIteration, ValueError):
         return None

@@ -17,9 +17,10 @@ The config's weight decay applies to the weight matrices only, as in GPT-2
 recipes: biases and norm gains take none.
 The progress bar shows the loss, tokens/s, the step time split into compute
 (forward and backward), optimizer (``step()``: the CPU Adam, the gradient's
-norm, handing the weights over), swap (``step()`` waiting for the disk) and
-the rest (the loss's all-reduce, the batch), and the bytes held per tier; the
-optimizer work that ran beside compute instead (``overlap_step``,
+norm, handing the weights over, and waiting for a worker, whatever the
+worker waited for), swap (``step()`` waiting for the disk itself) and the rest
+(the loss's all-reduce, the report), and the bytes held per tier; the
+optimizer work a worker did beside compute (``overlap_step``,
 ``delayed_update``) is given apart, as it is not in the step's time. At the end, a summary JSON and a
 loss-curve PNG are written to --out. The summary's figures are the median
 step's, its disk bytes those of a step; steps skipped for an fp16 overflow
@@ -375,15 +376,14 @@ def _plot(summary: dict, path: str) -> None:
 
 def _step_split(engine, step_s: float) -> dict:
     """``step()``'s seconds split into its waits for the disk (``swap``) and the
-    rest (``optimizer``), and the optimizer's work that ran beside compute
-    instead (``optimizer_hidden``: the overlapped step's worker during
-    backward, the delayed update's during the next forward and backward)."""
+    rest (``optimizer``, waiting for a worker included), and the optimizer's
+    work a worker did beside compute instead (``optimizer_hidden``: the
+    overlapped step's during backward, the delayed update's during the next
+    forward and backward)."""
     detail = engine.times.optimizer_detail
-    # A delayed update's detail is its worker's, whose disk waits were beside compute.
+    # A delayed update's detail is its worker's, whose disk waits were beside compute (or in the wait for it).
     swap = 0.0 if engine.update.ahead else detail.get("swap_wait", 0.0) + detail.get("write_back_wait", 0.0)
-    swap = min(swap, step_s)
-    hidden = max(0.0, engine.update.optimizer_work(engine.times, step_s) - step_s)
-    return {"optimizer": step_s - swap, "swap": swap, "optimizer_hidden": hidden}
+    return {"optimizer": step_s - swap, "swap": swap, "optimizer_hidden": engine.times.hidden}
 
 
 def _report(s: dict, out_dir: str) -> str:

@@ -277,6 +277,7 @@ class OverlappedStep:
         times.publish = time.perf_counter() - start
         self._recycle()
         self.gradient.zero()
+        times.hidden = self.worker_seconds - self.join_seconds
 
     def discard(self, step: int) -> None:
         """The step is skipped (fp16 overflow): every speculated sub-group rolls back."""
@@ -311,9 +312,6 @@ class OverlappedStep:
     def _recycle(self) -> None:
         self._spare.extend(self._bases.values())
         self._backups, self._stepped, self._bases = {}, {}, {}
-
-    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
-        return self.worker_seconds + step_seconds - self.join_seconds
 
     def wait(self, times: PhaseTimes) -> None:
         """The main thread is about to use the optimizer outside a step (a state

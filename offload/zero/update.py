@@ -66,11 +66,6 @@ class _AfterBackward:
         nothing they hold: the caller only reads their counters (a report)."""
         self.wait(times)
 
-    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
-        """Seconds of optimizer work the last step cost, wherever it ran; the
-        main thread spent ``step_seconds`` in ``step()`` (for offload bench step)."""
-        return step_seconds
-
     def memory(self, report: MemoryReport) -> None:
         """Memory of its own, beyond the optimizer's and the gradient's: none."""
 
@@ -153,6 +148,7 @@ class DelayedUpdate(_AfterBackward):
         self._unpublished = True
         times.optimizer = pending.result()  # re-raises the worker's error here, once
         times.dpu_wait = time.perf_counter() - start
+        times.hidden = max(0.0, times.optimizer - times.dpu_wait)
         times.optimizer_detail = dict(vars(self.optimizer.times))
 
     def finish(self, times: PhaseTimes) -> None:
@@ -163,9 +159,6 @@ class DelayedUpdate(_AfterBackward):
             start = time.perf_counter()
             self.weights.end_publish()
             times.publish = time.perf_counter() - start
-
-    def optimizer_work(self, times: PhaseTimes, step_seconds: float) -> float:
-        return times.optimizer  # the worker's step, finished during this one
 
     def close(self) -> None:
         self._worker.shutdown()

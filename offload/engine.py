@@ -67,7 +67,7 @@ from offload.zero.grads import GradientReducer
 from offload.param_groups import Grouping, owned_runs, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
-from offload.zero.materialize import is_meta, materialize, model_init
+from offload.zero.materialize import check_meta_modules, is_meta, materialize, model_init
 from offload.zero.optimizer import make_optimizer
 from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
@@ -128,6 +128,7 @@ class Engine:
         self.module = model
         self.config = config
         if is_meta(model):
+            check_meta_modules(model)  # before anything changes it
             init_fn = adapter_init(model, init_fn or model_init(model))  # Note [LoRA on the meta device]
         comm.join_the_launch(config.comm_timeout_s)
         self.rank, self.world = comm.world()

@@ -7,6 +7,12 @@ is the default). A parameter is handed to ``on_ready`` once every module that
 holds it has been visited (a tied weight after its last holder), so the caller
 can partition and free it at once: the whole model never exists at once.
 
+Only meta tensors get values: a module whose own parameters and buffers all
+hold values already (a pretrained body under a new, meta-built head) is not
+initialised, so its values stay. A module holding both kinds is refused
+before anything changes (``check_meta_modules``): its initialiser would
+overwrite the values it holds.
+
 The same routine builds a model eagerly (``on_ready=None``). So a model that
 is always built on meta and then materialised this way gets the same weights
 from the same seed, whether built eagerly, under ``offload.init``, or on any
@@ -79,6 +85,24 @@ def model_init(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | No
     return init
 
 
+def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
+
+
+def check_meta_modules(model: torch.nn.Module) -> None:
+    """Refuses a model whose modules hold meta and real tensors side by side."""
+    mixed = []
+    for name, module in model.named_modules():
+        if len({t.is_meta for t in _own_tensors(module)}) == 2:
+            on_meta = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
+            mixed.append(f"{name or type(model).__name__} ({', '.join(on_meta)} on meta)")
+    if mixed:
+        raise UsageError(f"{'; '.join(mixed[:5])}{' and more' if len(mixed) > 5 else ''}: a module with some tensors "
+                         "on the meta device and others holding values cannot be initialised without overwriting "
+                         "those values; give the module all its values (load_state_dict(..., assign=True)) or "
+                         "none (build it on meta)")
+
+
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
                 on_ready: Callable[[torch.nn.Parameter], None] | None = None) -> None:
     init_fn = init_fn or default_init
@@ -88,14 +112,17 @@ def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], Non
             holders[p] = holders.get(p, 0) + 1
     for module in model.modules():
         own = set(module.parameters(recurse=False))
+        tensors = _own_tensors(module)
+        built = not tensors or any(t.is_meta for t in tensors)  # else it holds values of its own: they stay
         for p in own:
             if p.is_meta:  # swap, not replace: the same Parameter object stays in every holder
                 torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
         for name, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
-        with torch.no_grad():
-            init_fn(module)
+        if built:
+            with torch.no_grad():
+                init_fn(module)
         for p in own:
             holders[p] -= 1
             if holders[p] == 0 and on_ready is not None:

@@ -11,6 +11,7 @@ import torch
 
 import offload
 from offload import _native
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -48,6 +49,7 @@ def test_same_weights_as_eager_construction(tmp_path, stage):
 
 _BUDGET_SCRIPT = """
 import gc, sys, psutil, torch, offload
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 path = sys.argv[1]
 cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 2_000_000,
@@ -87,3 +89,48 @@ def test_init_rejects_a_bad_config_before_building():
     with pytest.raises(offload.ConfigError, match="did you mean 'stage'"):
         with offload.init({"zero_optimization": {"stag": 3}}):
             pass
+
+
+class _BodyAndHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x)).square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_meta_built_head_on_a_body_with_values_initialises_the_head_only(tmp_path, stage):
+    """A pretrained body under a new head built on meta: the body keeps its
+    values bit for bit (it was re-initialised, silently, before), and the head
+    gets what its own initialiser gives from the seed."""
+    torch.manual_seed(1)
+    body = {k: v.clone() for k, v in _BodyAndHead().body.state_dict().items()}
+    with torch.device("meta"):
+        model = _BodyAndHead()
+    model.body.load_state_dict(body, assign=True)
+    torch.manual_seed(2)
+    head = torch.nn.Linear(32, 3).state_dict()  # its reset_parameters' draws, first after the seed
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    torch.manual_seed(2)
+    with offload.initialize(model, {"zero_optimization": zero}) as engine:
+        state = engine.state_dict()
+        for key, value in body.items():
+            assert torch.equal(state[f"body.{key}"], value), key
+        for key, value in head.items():
+            assert torch.equal(state[f"head.{key}"], value), key
+
+
+def test_a_module_half_on_meta_is_refused_before_anything_changes():
+    torch.manual_seed(1)
+    body = _BodyAndHead().body.state_dict()
+    with torch.device("meta"):
+        model = _BodyAndHead()
+    values = {k: v for k, v in body.items() if k != "1.bias"}  # the LayerNorm's bias stays on meta
+    model.body.load_state_dict(values, strict=False, assign=True)
+    with pytest.raises(UsageError, match=r"body\.1 \(bias on meta\): a module with some tensors on the meta"):
+        offload.initialize(model, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert all(torch.equal(model.body.state_dict()[k], v) for k, v in values.items())
+    assert model.body[1].bias.is_meta

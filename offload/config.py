@@ -314,6 +314,11 @@ class Config:
             data = source
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
+        if isinstance(data, dict) and "bfloat16" in data:  # DeepSpeed's old name for the section, which it still reads
+            if "bf16" in data:
+                raise ConfigError("bfloat16 and bf16 are both given: bfloat16 is DeepSpeed's old name for the bf16 "
+                                  "section; keep one")
+            data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
         if nvme_path is not None:
             if isinstance(data, dict) and not nvme_sections(data):
                 warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
@@ -429,14 +434,10 @@ TUNING_KEYS = {
 # DeepSpeed keys whose meaning this engine does not implement: errors that say so.
 REFUSED_KEYS = {
     "": {"pipeline": "pipeline parallelism is not implemented", "tensor_parallel": "tensor parallelism is not implemented",
-         "amp": "apex AMP is not supported; use bf16 or fp16", "sparse_attention": "sparse attention is not implemented",
-         "moe": "mixture-of-experts is not implemented", "activation_checkpointing": "use torch.utils.checkpoint in the model",
-         "elasticity": "elastic training is not implemented", "compression_training": "compression is not implemented",
-         "gradient_predivide_factor": "gradients are averaged once, after the reduction",
+         "sparse_attention": "sparse attention is not implemented", "moe": "mixture-of-experts is not implemented",
+         "compression_training": "compression is not implemented",
          "communication_data_type": "gradients are reduced in the compute dtype",
-         "data_types": "the gradient accumulation dtype is not configurable here",
-         "checkpoint": "DeepSpeed's checkpoint options are not implemented; offload's checkpoints load at any world "
-                       "size by themselves (what load_universal is for)"},
+         "data_types": "the gradient accumulation dtype is not configurable here"},
     "zero_optimization": {"cpu_offload": "use offload_optimizer.device = cpu",
                           "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ) is not implemented",
                           "zero_quantized_weights": "quantized weight gathers (ZeRO++ qwZ) are not implemented",
@@ -444,19 +445,21 @@ REFUSED_KEYS = {
                           "zero_quantized_nontrainable_weights": "quantized frozen weights are not implemented",
                           "mics_shard_size": "MiCS partitioning is not implemented",
                           "mics_hierarchical_params_gather": "MiCS partitioning is not implemented"},
-    "zero_optimization.offload_optimizer": {"ratio": "partial optimizer offload is not implemented"},
-    "fp16": {"auto_cast": "the compute dtype is the config's (the bf16 or fp16 section), the model cast to it; "
-                          "auto_cast is not implemented"},
 }
 
 
 def _at_default(value, default) -> bool:
     """``value`` does what DeepSpeed's default does: the same switch (or, for a
-    switch whose default is off, a section without ``"enabled": true``), or
-    the same number."""
+    switch whose default is off, a section without ``"enabled": true``), the
+    same number or string, or a section (``default`` a dict) each of whose
+    keys is at its default."""
+    if isinstance(default, dict):
+        return isinstance(value, dict) and all(k in default and _at_default(v, default[k]) for k, v in value.items())
     if isinstance(default, bool):
         return value is default or (default is False and isinstance(value, dict)
                                     and value.get("enabled", False) is False)
+    if default is None or isinstance(default, str):
+        return value == default
     return _is_number(value) and value == default
 
 
@@ -465,13 +468,30 @@ def _at_default(value, default) -> bool:
 # refused otherwise. key -> (the default, why).
 DEFAULT_ONLY_KEYS = {
     "": {"torch_autocast": (False, "torch autocast is not implemented; the model computes in the config's dtype "
-                                   "(the bf16 or fp16 section), cast to it")},
+                                   "(the bf16 or fp16 section), cast to it"),
+         "amp": (False, "apex AMP is not supported; use bf16 or fp16"),
+         "elasticity": (False, "elastic training is not implemented"),
+         "gradient_predivide_factor": (1.0, "gradients are averaged once, after the reduction"),
+         "sparse_gradients": (False, "sparse gradients are not implemented"),
+         "fp32_allreduce": (False, "gradients are reduced in the compute dtype"),
+         "activation_checkpointing": ({"partition_activations": False, "contiguous_memory_optimization": False,
+                                       "cpu_checkpointing": False, "number_checkpoints": None,
+                                       "synchronize_checkpoint_boundary": False, "profile": False},
+                                      "DeepSpeed's activation checkpointing is not implemented; use "
+                                      "torch.utils.checkpoint in the model"),
+         "checkpoint": ({"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+                         "parallel_write": {"pipeline_stage": False}},
+                        "DeepSpeed's checkpoint options are not implemented; offload's checkpoints load at any world "
+                        "size by themselves (what load_universal is for)")},
     "zero_optimization.offload_optimizer": {
         "super_offload": (False, "SuperOffload is not implemented; offload_optimizer.overlap_step runs the CPU step "
-                                 "during backward, speculatively and exactly")},
+                                 "during backward, speculatively and exactly"),
+        "ratio": (1.0, "partial optimizer offload is not implemented: the whole optimizer state is offloaded")},
     "bf16": {"check_grad_overflow": (False, "bf16 steps are never skipped for an overflow here")},
     "fp16": {"fp16_master_weights_and_grads": (False, "fp16 master weights are not implemented; the master is fp32, "
-                                                      "or bf16 with bf16.bf16_master_weights_and_grads")},
+                                                      "or bf16 with bf16.bf16_master_weights_and_grads"),
+             "auto_cast": (False, "the compute dtype is the config's (the bf16 or fp16 section), the model cast to it; "
+                                  "auto_cast is not implemented")},
     "aio": {"use_gds": (False, "GPUDirect Storage is not implemented")},
     # DeepSpeed's schedulers resume from it; here load_checkpoint restores the schedule with the step count.
     "scheduler.params": {"last_batch_iteration": (-1, "a schedule resumes with load_checkpoint, which restores the "

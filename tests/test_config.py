@@ -122,7 +122,7 @@ def test_defaults_need_no_warning():
         ({"pipeline": {"stages": 2}}, "pipeline: pipeline parallelism is not implemented"),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}},
          "zero_optimization.zero_hpz_partition_size: hierarchical partitioning"),
-        ({"checkpoint": {"load_universal": True}}, "checkpoint: DeepSpeed's checkpoint options are not implemented"),
+        ({"checkpoint": {"load_universal": True}}, "checkpoint is {\"load_universal\": true}: DeepSpeed's checkpoint options are not implemented"),
         ({"optimizer": {"params": {"amsgrad": True}}}, "optimizer.params.amsgrad is true, but AMSGrad is not "
                                                        "implemented; set it false or remove it"),
         ({"optimizer": {"params": {"bias_correction": False}}},
@@ -158,6 +158,17 @@ def test_defaults_need_no_warning():
         ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}},
          "scheduler.params.last_batch_iteration is 99: a schedule resumes with load_checkpoint"),
         ({"zero_optimization": []}, "zero_optimization must be a JSON object"),
+        ({"amp": {"enabled": True, "opt_level": "O1"}}, 'amp is {"enabled": true, "opt_level": "O1"}: apex AMP'),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor is 2.0: gradients are averaged once"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+         "zero_optimization.offload_optimizer.ratio is 0.3: partial optimizer offload is not implemented"),
+        ({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False}},
+         'activation_checkpointing is {"partition_activations": true, "cpu_checkpointing": false}: DeepSpeed\'s '
+         "activation checkpointing is not implemented"),
+        ({"activation_checkpointing": {"number_checkpoints": 4}}, "activation_checkpointing is {\"number_checkpoints\": 4}"),
+        ({"checkpoint": {"tag_validation": "Fail"}}, 'checkpoint is {"tag_validation": "Fail"}: DeepSpeed\'s checkpoint'),
+        ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast is true: the compute dtype is the config's"),
+        ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "bfloat16 and bf16 are both given"),
     ],
 )
 def test_bad_configs_name_the_field(data, message):
@@ -230,6 +241,33 @@ def test_deepspeeds_newer_keys_at_their_defaults_are_named_in_the_one_warning():
                                            f"DeepSpeed's own internals); {at_default} (DeepSpeed's defaults, for "
                                            f"what is not implemented here)"), str(warning.message)
     assert config.bf16.enabled and config.zero_optimization.offload_optimizer.device == "nvme"
+
+
+def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted():
+    """DeepSpeed configs carry these sections and keys at their defaults (off,
+    1.0): nothing to do here, so accepted, and named as such."""
+    data = {"fp16": {"enabled": True, "auto_cast": False, "loss_scale": 0}, "amp": {"enabled": False},
+            "elasticity": {"enabled": False, "max_train_batch_size": 2000}, "gradient_predivide_factor": 1.0,
+            "sparse_gradients": False, "fp32_allreduce": False,
+            "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
+                                         "cpu_checkpointing": False, "number_checkpoints": None,
+                                         "synchronize_checkpoint_boundary": False, "profile": False},
+            "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+            "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}}}
+    with pytest.warns(UserWarning) as caught:
+        config = Config.load(data)
+    (warning,) = caught
+    named = ", ".join(sorted(["activation_checkpointing", "amp", "checkpoint", "elasticity", "fp16.auto_cast",
+                              "fp32_allreduce", "gradient_predivide_factor", "sparse_gradients",
+                              "zero_optimization.offload_optimizer.ratio"]))
+    assert str(warning.message) == (f"offload: these settings have no effect here: {named} (DeepSpeed's defaults, for "
+                                    "what is not implemented here)")
+    assert config.fp16.enabled and config.zero_optimization.offload_optimizer.device == "cpu"
+
+
+def test_the_bf16_sections_old_name_is_read_as_it():
+    config = Config.load({"bfloat16": {"enabled": True}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert config.bf16.enabled and config.compute_dtype_name == "bfloat16"
 
 
 def test_a_whole_number_aio_size_written_as_a_float_is_an_integer():

@@ -17,9 +17,9 @@ import os
 __version__ = "0.1.0"
 
 
-def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *,
+def initialize(model, config: str | os.PathLike | dict | Config | None = None, init_fn=None, *,
                nvme_path: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
-               allow_missing: bool = False, param_groups=None) -> Engine:
+               allow_missing: bool = False, param_groups=None, model_parameters=None, **deepspeed_only) -> Engine:
     """Wrap ``model`` (its parameters on the accelerator or the CPU, or on the
     meta device when built under ``offload.init``) in an Engine configured by a
     DeepSpeed-style JSON file, dict or Config. ``init_fn(module)`` initialises
@@ -37,7 +37,18 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
     0.0}]``; a group without one of those keys takes the config's, a group's
     rate follows the schedule in proportion, and all other settings are the
     config's (Note [parameter groups]; default: every parameter takes the
-    config's)."""
+    config's); ``model_parameters``, DeepSpeed's name for them, is read as
+    ``param_groups``. DeepSpeed's other arguments are refused, each saying
+    where its job went here."""
+    _refuse_deepspeed_only(deepspeed_only)
+    if model_parameters is not None:
+        if param_groups is not None:
+            raise UsageError("param_groups and model_parameters are both given: model_parameters is DeepSpeed's name "
+                             "for param_groups; pass one")
+        param_groups = model_parameters
+    if config is None:
+        raise UsageError("offload.initialize needs a config: a DeepSpeed-style JSON path, a dict or a Config "
+                         "(config=...)")
     config = Config.load(config, nvme_path)
     if weights is None:
         return Engine(model, config, init_fn, param_groups)
@@ -50,6 +61,31 @@ def initialize(model, config: str | os.PathLike | dict | Config, init_fn=None, *
         engine.close(restore_model=False)
         raise
     return engine
+
+
+# deepspeed.initialize's arguments that offload.initialize does not take -> what to do instead.
+_DEEPSPEED_ONLY = {
+    "optimizer": "the optimizer is the config's optimizer section (Adam or AdamW, stepped on the CPU by offload's own "
+                 "kernel): give its settings there, and per-group ones as param_groups",
+    "lr_scheduler": "the schedule is the config's scheduler section (WarmupLR, WarmupDecayLR, WarmupCosineLR), or "
+                    "set engine.lr before each step",
+    "training_data": "offload makes no data loader: iterate your own and call engine(batch)",
+    "collate_fn": "offload makes no data loader: iterate your own and call engine(batch)",
+    "config_params": "it is DeepSpeed's old name for config: pass config=",
+    "args": "DeepSpeed reads the config's path from args.deepspeed_config; pass config= (a path, a dict or a Config)",
+    "mpu": "model parallelism is not implemented",
+    "dist_init_required": "offload joins the torch.distributed group that torchrun describes (or none) by itself",
+}
+
+
+def _refuse_deepspeed_only(given: dict) -> None:
+    if not given:
+        return
+    known = [f"{name}= ({_DEEPSPEED_ONLY[name]})" for name in given if name in _DEEPSPEED_ONLY]
+    unknown = [name for name in given if name not in _DEEPSPEED_ONLY]
+    if unknown:
+        raise TypeError(f"offload.initialize() got unexpected keyword arguments {unknown}")
+    raise UsageError("offload.initialize does not take " + "; ".join(known))
 
 
 @contextlib.contextmanager
@@ -73,7 +109,7 @@ def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: 
 
 
 from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)
-from offload.errors import ConfigError, OffloadError  # noqa: E402
+from offload.errors import ConfigError, OffloadError, UsageError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402
 from offload.signals import exit_on_signals  # noqa: E402

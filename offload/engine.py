@@ -95,6 +95,18 @@ def _while_open(method):
     return checked
 
 
+# DeepSpeed engine attributes offload has elsewhere or not at all -> where to look.
+DEEPSPEED_ELSEWHERE = {
+    "lr_scheduler": "the config's scheduler section runs inside engine.step() (engine.schedule is it, or None); "
+                    "engine.get_lr() reads its rate, and without one engine.lr sets the rate",
+    "get_loss_scale": "engine.loss_scale is fp16's loss scale for the next step (1.0 without fp16)",
+    "loss_scaler": "engine.loss_scale is fp16's loss scale for the next step (1.0 without fp16)",
+    "no_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
+               "window, at its last backward, by itself (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
+    "training_dataloader": "offload makes no data loader: iterate your own and call engine(batch)",
+}
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, init_fn=None, param_groups=None) -> None:
         """``init_fn(module)`` initialises a module's own parameters when the model
@@ -380,6 +392,31 @@ class Engine:
         """As in DeepSpeed."""
         return self.config.zero_optimization.stage
 
+    def fp16_enabled(self) -> bool:
+        """As in DeepSpeed: the config's fp16 section is on."""
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """As in DeepSpeed: the config's bf16 section is on."""
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        """As in DeepSpeed: the config's ``gradient_clipping`` (0: none)."""
+        return self.config.gradient_clipping
+
+    def __iter__(self):
+        """Unpacking the engine as DeepSpeed's initialize returns is an error that says so."""
+        raise TypeError("offload.initialize returns the engine alone, not DeepSpeed's (engine, optimizer, "
+                        "dataloader, lr_scheduler): write `engine = offload.initialize(...)`; the optimizer and the "
+                        "schedule run inside engine.step() (engine.get_lr() reads the rate), and batches come from "
+                        "your own data loader")
+
+    def __getattr__(self, name: str):
+        """Only for names the engine lacks: DeepSpeed's are told where each went."""
+        if name in DEEPSPEED_ELSEWHERE:
+            raise AttributeError(f"offload's engine has no {name}: {DEEPSPEED_ELSEWHERE[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def was_step_applied(self) -> bool:
         """As in DeepSpeed: the last ``step()`` updated the weights (not between
         accumulation boundaries, nor skipped for an fp16 overflow)."""
@@ -389,6 +426,16 @@ class Engine:
     def global_samples(self) -> int:
         """As in DeepSpeed: the samples of all ranks over the steps taken."""
         return self.global_steps * self.batch.train_batch_size
+
+    @property
+    def global_rank(self) -> int:
+        """As in DeepSpeed: this process's rank in the data-parallel group."""
+        return self.rank
+
+    @property
+    def world_size(self) -> int:
+        """As in DeepSpeed: the data-parallel ranks."""
+        return self.world
 
     @property
     def local_rank(self) -> int:

@@ -74,6 +74,9 @@ class ShardOptimizer:
     def __getattr__(self, name: str):
         """``engine.optimizer`` is the engine's own, not a torch optimizer: a
         script written for DeepSpeed's is told where each thing went."""
+        if name in ("cur_scale", "loss_scale", "loss_scaler"):
+            raise AttributeError(f"engine.optimizer is offload's sharded optimizer and has no {name}: engine.loss_scale "
+                                 "is fp16's loss scale for the next step (1.0 without fp16)")
         if name in TORCH_OPTIMIZER:
             raise AttributeError(f"engine.optimizer is offload's sharded optimizer, not a torch.optim.Optimizer, so it "
                                  f"has no {name}: engine.get_lr() reads each parameter group's learning rate and "

@@ -686,6 +686,42 @@ def test_deepspeeds_engine_methods(tmp_path):
         assert (engine.loss_scale, engine.skipped_steps, engine.applied_steps) == (2.0**7, 1, 1)
 
 
+def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
+    """A script written for DeepSpeed: model_parameters is param_groups, the
+    getters answer as there, and what offload does elsewhere is said by name."""
+    cfg = config(2, "cpu", 1)
+    model = make_model()
+    decayed = [p for p in model.parameters() if p.dim() > 1]
+    groups = [{"params": decayed}, {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+    with offload.initialize(model=model, config=cfg, model_parameters=groups) as engine:
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert engine.group_of(names[id(groups[1]["params"][0])]).weight_decay == 0.0
+        assert engine.group_of(names[id(decayed[0])]).weight_decay == cfg["optimizer"]["params"]["weight_decay"]
+        assert (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.gradient_clipping()) == (False, False, 0.5)
+        assert (engine.global_rank, engine.world_size) == (0, 1)
+        with pytest.raises(TypeError, match=r"returns the engine alone, not DeepSpeed's \(engine, optimizer"):
+            _, _, _, _ = engine
+        for name, where in (("lr_scheduler", "the config's scheduler section runs inside engine.step"),
+                            ("no_sync", "gradient_accumulation_steps"), ("get_loss_scale", "engine.loss_scale")):
+            with pytest.raises(AttributeError, match=f"offload's engine has no {name}: .*{re.escape(where)}"):
+                getattr(engine, name)
+            assert not hasattr(engine, name)
+        with pytest.raises(AttributeError, match="has no cur_scale: engine.loss_scale"):
+            engine.optimizer.cur_scale
+        with pytest.raises(AttributeError, match="'Engine' object has no attribute 'nothing'"):
+            engine.nothing
+    with pytest.raises(UsageError, match="param_groups and model_parameters are both given"):
+        offload.initialize(make_model(), cfg, param_groups=groups, model_parameters=groups)
+    with pytest.raises(UsageError, match=r"does not take optimizer= \(the optimizer is the config's optimizer section"):
+        offload.initialize(model, cfg, optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(UsageError, match=r"does not take config_params= \(it is DeepSpeed's old name for config"):
+        offload.initialize(model=model, config_params=cfg)
+    with pytest.raises(UsageError, match="offload.initialize needs a config"):
+        offload.initialize(model=model)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['confg'\]"):
+        offload.initialize(model, confg=cfg)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_bias_correction_false_steps_without_it(tmp_path, device):
     """DeepSpeed's optimizer.params.bias_correction false: no 1 - beta^t

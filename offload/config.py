@@ -534,10 +534,13 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "
          "after backward)"),
     ]
+    defaults = FP16Config()
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                 "min_loss_scale"):
         dynamic_only = key != "loss_scale" and c.fp16.loss_scale != 0
-        rules.append((f"fp16.{key}", not c.fp16.enabled or dynamic_only,
+        # At its default it asks for nothing (Hugging Face's stock configs carry the whole section).
+        tuned = getattr(c.fp16, key) != getattr(defaults, key)
+        rules.append((f"fp16.{key}", tuned and (not c.fp16.enabled or dynamic_only),
                       "fp16 is not enabled" if not c.fp16.enabled else "the loss scale is static (fp16.loss_scale > 0)"))
     schedule = c.scheduler.type
     for f in dataclasses.fields(SchedulerParams):
@@ -607,6 +610,10 @@ def _unknown_keys(cls, data: Any, path: str) -> list[str]:
         return []
     hints, fields = _schema(cls)
     aside = {*REFUSED_KEYS.get(path, {}), *DEFAULT_ONLY_KEYS.get(path, {}), *TUNING_KEYS.get(path, ())}
+    # A type not offered here (an optimizer's, a schedule's) makes its params another's: its own error says so.
+    kind = fields.get("type")
+    foreign = kind is not None and "choices" in kind.metadata and isinstance(data.get("type"), str) \
+        and data["type"].lower() not in {c.lower() for c in kind.metadata["choices"]}
     found = []
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
@@ -616,7 +623,7 @@ def _unknown_keys(cls, data: Any, path: str) -> list[str]:
             near = difflib.get_close_matches(key, list(fields) + sorted(aside), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
             found.append(f"unknown key {where!r}{hint}")
-        elif dataclasses.is_dataclass(hints[key]):
+        elif dataclasses.is_dataclass(hints[key]) and not (foreign and key == "params"):
             found += _unknown_keys(hints[key], value, where)
     return found
 

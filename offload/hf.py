@@ -137,7 +137,7 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
                               f"one of {', '.join(EXACT_ADAMW)}, or give offload_config an 'optimizer' section")
         data["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
     from_args, defaults = _arguments(args), _model_sized(model)
-    sized = bool(defaults)
+    sized, idle = bool(defaults), _idle_bucket_sizes(data, set(defaults))
     if "scheduler" in data:
         from_args.update(_scheduler_arguments(args, steps))
         defaults["scheduler.params.warmup_min_lr"] = 0  # Hugging Face's: no argument sets it
@@ -146,6 +146,9 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
     for key, value in _leaves(data):
         if steps is None and key in STEP_COUNTS:
             continue  # resolved and checked once train() knows the step count
+        if value == "auto" and key in idle:
+            _drop(data, key)  # "auto" asks for a value, and there is nothing to size: no warning of it
+            continue
         if value == "auto":
             if key not in from_args and key not in defaults:
                 raise ConfigError(f"offload_config key {key} is 'auto', which OffloadTrainer resolves only for "
@@ -161,6 +164,21 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
         raise ConfigError("offload_config disagrees with TrainingArguments: " + "; ".join(mismatches) +
                           "; set the key to 'auto' or make the two agree")
     return data
+
+
+def _idle_bucket_sizes(data: dict, sized: set[str]) -> set[str]:
+    """The model-sized keys that do nothing at the config's stage: the reduce
+    bucket at stage 3 (each parameter reduces on its own), the stage3_ keys below it."""
+    zero = data.get("zero_optimization")
+    stage = zero.get("stage", 2) if isinstance(zero, dict) else 2
+    return {k for k in sized if (k == "zero_optimization.reduce_bucket_size") == (stage == 3)}
+
+
+def _drop(data: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        data = data[part]
+    del data[last]
 
 
 def _leaves(data: dict, prefix: str = ""):

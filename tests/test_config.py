@@ -169,6 +169,8 @@ def test_defaults_need_no_warning():
         ({"checkpoint": {"tag_validation": "Fail"}}, 'checkpoint is {"tag_validation": "Fail"}: DeepSpeed\'s checkpoint'),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast is true: the compute dtype is the config's"),
         ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "bfloat16 and bf16 are both given"),
+        ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3}}},
+         "scheduler.type must be one of ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'], got 'OneCycle'"),
     ],
 )
 def test_bad_configs_name_the_field(data, message):

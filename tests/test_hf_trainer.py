@@ -14,12 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import offload
 from offload.peft_models import checkpoint_names
+from offload.config import Config
 from offload.errors import ConfigError, UsageError
 from offload.optim.group_runs import GroupHyper
 from offload.safetensors_file import write_safetensors
@@ -495,6 +497,31 @@ def test_auto_values_come_from_the_training_arguments_and_the_model(tmp_path):
     # a section given in part keeps what it gives
     partial = resolve_config({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, _args(tmp_path), run.tiny_gpt2())
     assert partial["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.0}
+
+
+def test_hugging_faces_stock_config_loads_with_no_word_of_what_it_leaves_at_auto_or_default(tmp_path):
+    """Hugging Face's ZeRO-3 example carries reduce_bucket_size "auto" (which sizes
+    nothing at stage 3 here) and a whole fp16 section at DeepSpeed's defaults,
+    enabled "auto" (off in an fp32 run): none of it is the user's choice, so
+    none of it is warned about; a value the user did choose still is."""
+    stock = run.offload_config(3)
+    stock["zero_optimization"]["reduce_bucket_size"] = "auto"
+    stock["fp16"] = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                     "hysteresis": 2, "min_loss_scale": 1}
+    config = resolve_config(stock, _args(tmp_path), run.tiny_gpt2())
+    assert "reduce_bucket_size" not in config["zero_optimization"] and config["fp16"]["enabled"] is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Config.load(config)
+    assert not [str(w.message) for w in caught if "reduce_bucket_size" in str(w.message) or "fp16" in str(w.message)]
+    config["fp16"]["hysteresis"] = 4
+    config["zero_optimization"]["reduce_bucket_size"] = 1000
+    with pytest.warns(UserWarning, match=r"zero_optimization.reduce_bucket_size \(stage 3 reduces each parameter's "
+                                         r"gradient on its own\); fp16.hysteresis \(fp16 is not enabled\)"):
+        Config.load(config)
+    two = run.offload_config(2)
+    two["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    assert "stage3_prefetch_bucket_size" not in resolve_config(two, _args(tmp_path), run.tiny_gpt2())["zero_optimization"]
 
 
 def test_explicit_values_that_disagree_with_the_arguments_are_errors(tmp_path):

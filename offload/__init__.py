@@ -75,10 +75,13 @@ _DEEPSPEED_ONLY = {
     "args": "DeepSpeed reads the config's path from args.deepspeed_config; pass config= (a path, a dict or a Config)",
     "mpu": "model parallelism is not implemented",
     "dist_init_required": "offload joins the torch.distributed group that torchrun describes (or none) by itself",
+    "distributed_port": "offload joins the torch.distributed group that torchrun describes (or none) by itself",
+    "mesh_param": "model and sequence parallelism are not implemented",
 }
 
 
 def _refuse_deepspeed_only(given: dict) -> None:
+    given = {name: value for name, value in given.items() if value is not None}  # DeepSpeed's defaults: nothing asked
     if not given:
         return
     known = [f"{name}= ({_DEEPSPEED_ONLY[name]})" for name in given if name in _DEEPSPEED_ONLY]

@@ -66,6 +66,17 @@ def nvme_sections(data: Any) -> list[tuple[str, dict]]:
     return [(key, s) for key, s in sections if isinstance(s, dict) and s.get("device") == "nvme"]
 
 
+def bf16_named(data: Any) -> Any:
+    """A config's JSON with DeepSpeed's old name for the bf16 section,
+    ``bfloat16``, which DeepSpeed still reads, as ``bf16``."""
+    if not isinstance(data, dict) or "bfloat16" not in data:
+        return data
+    if "bf16" in data:
+        raise ConfigError("bfloat16 and bf16 are both given: bfloat16 is DeepSpeed's old name for the bf16 section; "
+                          "keep one")
+    return {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
+
+
 def _with_nvme_path(data: Any, path: str) -> Any:
     """A config's JSON, unchanged, with ``path`` as the ``nvme_path`` of each nvme section."""
     sections = {key: {**section, "nvme_path": path} for key, section in nvme_sections(data)}
@@ -314,11 +325,7 @@ class Config:
             data = source
         else:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
-        if isinstance(data, dict) and "bfloat16" in data:  # DeepSpeed's old name for the section, which it still reads
-            if "bf16" in data:
-                raise ConfigError("bfloat16 and bf16 are both given: bfloat16 is DeepSpeed's old name for the bf16 "
-                                  "section; keep one")
-            data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
+        data = bf16_named(data)
         if nvme_path is not None:
             if isinstance(data, dict) and not nvme_sections(data):
                 warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
@@ -448,18 +455,29 @@ REFUSED_KEYS = {
 }
 
 
+class _Off:
+    """The default of a DeepSpeed section with an ``enabled`` switch: off."""
+
+    def __repr__(self) -> str:
+        return "false"
+
+
+OFF = _Off()
+
+
 def _at_default(value, default) -> bool:
-    """``value`` does what DeepSpeed's default does: the same switch (or, for a
-    switch whose default is off, a section without ``"enabled": true``), the
-    same number or string, or a section (``default`` a dict) each of whose
-    keys is at its default."""
+    """``value`` does what DeepSpeed's default does: the same switch (for a
+    section, ``OFF``: false, or an object without ``"enabled": true``), the
+    same number, the same string in any case (DeepSpeed upper-cases its), or
+    a section (``default`` a dict) each of whose keys is at its default."""
+    if default is OFF:
+        return value is False or (isinstance(value, dict) and value.get("enabled", False) is False)
     if isinstance(default, dict):
         return isinstance(value, dict) and all(k in default and _at_default(v, default[k]) for k, v in value.items())
-    if isinstance(default, bool):
-        return value is default or (default is False and isinstance(value, dict)
-                                    and value.get("enabled", False) is False)
-    if default is None or isinstance(default, str):
-        return value == default
+    if isinstance(default, bool) or default is None:
+        return value is default
+    if isinstance(default, str):
+        return isinstance(value, str) and value.lower() == default.lower()
     return _is_number(value) and value == default
 
 
@@ -467,10 +485,10 @@ def _at_default(value, default) -> bool:
 # at DeepSpeed's default: accepted there (warned about with TUNING_KEYS), and
 # refused otherwise. key -> (the default, why).
 DEFAULT_ONLY_KEYS = {
-    "": {"torch_autocast": (False, "torch autocast is not implemented; the model computes in the config's dtype "
+    "": {"torch_autocast": (OFF, "torch autocast is not implemented; the model computes in the config's dtype "
                                    "(the bf16 or fp16 section), cast to it"),
-         "amp": (False, "apex AMP is not supported; use bf16 or fp16"),
-         "elasticity": (False, "elastic training is not implemented"),
+         "amp": (OFF, "apex AMP is not supported; use bf16 or fp16"),
+         "elasticity": (OFF, "elastic training is not implemented"),
          "gradient_predivide_factor": (1.0, "gradients are averaged once, after the reduction"),
          "sparse_gradients": (False, "sparse gradients are not implemented"),
          "fp32_allreduce": (False, "gradients are reduced in the compute dtype"),
@@ -594,7 +612,7 @@ def _set_aside(key: str, value, path: str, reading: _Reading) -> bool:
         default, why = DEFAULT_ONLY_KEYS[path][key]
         if not _at_default(value, default):
             raise ConfigError(f"{where} is {json.dumps(value)}: {why}; remove it, or set it to DeepSpeed's "
-                              f"default, {json.dumps(default)}")
+                              f"default, {'false' if default is OFF else json.dumps(default)}")
         reading.at_default.append(where)
         return True
     if key not in TUNING_KEYS.get(path, ()):
@@ -610,10 +628,10 @@ def _unknown_keys(cls, data: Any, path: str) -> list[str]:
         return []
     hints, fields = _schema(cls)
     aside = {*REFUSED_KEYS.get(path, {}), *DEFAULT_ONLY_KEYS.get(path, {}), *TUNING_KEYS.get(path, ())}
-    # A type not offered here (an optimizer's, a schedule's) makes its params another's: its own error says so.
     kind = fields.get("type")
-    foreign = kind is not None and "choices" in kind.metadata and isinstance(data.get("type"), str) \
-        and data["type"].lower() not in {c.lower() for c in kind.metadata["choices"]}
+    if kind is not None and "choices" in kind.metadata and "type" in data:
+        # A type not offered here (an optimizer's, a schedule's) makes its params another's: said before them.
+        _value(hints["type"], kind, data["type"], f"{path}.type" if path else "type", _Reading())
     found = []
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
@@ -623,7 +641,7 @@ def _unknown_keys(cls, data: Any, path: str) -> list[str]:
             near = difflib.get_close_matches(key, list(fields) + sorted(aside), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
             found.append(f"unknown key {where!r}{hint}")
-        elif dataclasses.is_dataclass(hints[key]) and not (foreign and key == "params"):
+        elif dataclasses.is_dataclass(hints[key]):
             found += _unknown_keys(hints[key], value, where)
     return found
 

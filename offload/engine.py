@@ -67,7 +67,7 @@ from offload.zero.grads import GradientReducer
 from offload.param_groups import Grouping, owned_runs, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
-from offload.zero.materialize import check_meta_modules, is_meta, materialize, model_init
+from offload.zero.materialize import is_meta, materialize, model_init
 from offload.zero.optimizer import make_optimizer
 from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
@@ -104,6 +104,13 @@ DEEPSPEED_ELSEWHERE = {
     "no_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
                "window, at its last backward, by itself (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
     "training_dataloader": "offload makes no data loader: iterate your own and call engine(batch)",
+    **dict.fromkeys(("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
+                     "children", "named_children"),
+                    "the engine is not an nn.Module: engine.module is the model (at stage 3 its partitioned "
+                    "parameters hold no values outside `with engine.gathered(...)`)"),
+    **dict.fromkeys(("to", "cuda", "cpu", "half", "float", "bfloat16"),
+                    "the engine places and casts the model itself: the config's bf16 or fp16 section sets the compute "
+                    "dtype, and the accelerator is LOCAL_RANK's CUDA device, or the CPU"),
 }
 
 
@@ -140,7 +147,6 @@ class Engine:
         self.module = model
         self.config = config
         if is_meta(model):
-            check_meta_modules(model)  # before anything changes it
             init_fn = adapter_init(model, init_fn or model_init(model))  # Note [LoRA on the meta device]
         comm.join_the_launch(config.comm_timeout_s)
         self.rank, self.world = comm.world()

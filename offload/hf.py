@@ -61,7 +61,7 @@ import torch
 
 import offload
 from offload.checkpoint.format import latest_tag
-from offload.config import Config, read_json
+from offload.config import Config, bf16_named, read_json
 from offload.destinations import directory_problem
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
@@ -109,6 +109,8 @@ def _scheduler_arguments(args: transformers.TrainingArguments, steps: int | None
 
 
 STEP_COUNTS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")  # known in train()
+REDUCE_BUCKET, PREFETCH_BUCKET, PERSISTENCE = (f"zero_optimization.{k}" for k in (
+    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"))
 
 
 def _model_sized(model: torch.nn.Module) -> dict[str, object]:
@@ -116,9 +118,8 @@ def _model_sized(model: torch.nn.Module) -> dict[str, object]:
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden is None:
         return {}
-    return {"zero_optimization.reduce_bucket_size": hidden * hidden,
-            "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "zero_optimization.stage3_param_persistence_threshold": 10 * hidden}
+    return {REDUCE_BUCKET: hidden * hidden, PREFETCH_BUCKET: int(0.9 * hidden * hidden),
+            PERSISTENCE: 10 * hidden}
 
 
 def resolve_config(source: str | os.PathLike | dict, args: transformers.TrainingArguments,
@@ -131,13 +132,14 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
         data = copy.deepcopy(source)
     else:
         raise ConfigError(f"offload_config is a path or a dict, got {type(source).__name__}")
+    data = bf16_named(data)
     if "optimizer" not in data:
         if args.optim not in EXACT_ADAMW:
             raise ConfigError(f"TrainingArguments.optim is {args.optim!r}, but offload trains with its own AdamW; use "
                               f"one of {', '.join(EXACT_ADAMW)}, or give offload_config an 'optimizer' section")
         data["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
     from_args, defaults = _arguments(args), _model_sized(model)
-    sized, idle = bool(defaults), _idle_bucket_sizes(data, set(defaults))
+    sized, idle = bool(defaults), _idle_bucket_sizes(data)
     if "scheduler" in data:
         from_args.update(_scheduler_arguments(args, steps))
         defaults["scheduler.params.warmup_min_lr"] = 0  # Hugging Face's: no argument sets it
@@ -166,12 +168,18 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
     return data
 
 
-def _idle_bucket_sizes(data: dict, sized: set[str]) -> set[str]:
-    """The model-sized keys that do nothing at the config's stage: the reduce
-    bucket at stage 3 (each parameter reduces on its own), the stage3_ keys below it."""
+def _idle_bucket_sizes(data: dict) -> set[str]:
+    """The model-sized keys that do nothing in the config's setup: the reduce
+    bucket at stage 3 (each parameter reduces on its own), the stage3_ keys
+    below it, and the prefetch bucket while stage 3 weights stay on the
+    accelerator (nothing to bring ahead)."""
     zero = data.get("zero_optimization")
-    stage = zero.get("stage", 2) if isinstance(zero, dict) else 2
-    return {k for k in sized if (k == "zero_optimization.reduce_bucket_size") == (stage == 3)}
+    zero = zero if isinstance(zero, dict) else {}
+    if zero.get("stage", 2) != 3:
+        return {PREFETCH_BUCKET, PERSISTENCE}
+    weights = zero.get("offload_param")
+    on_accelerator = not isinstance(weights, dict) or weights.get("device", "none") == "none"
+    return {REDUCE_BUCKET} | ({PREFETCH_BUCKET} if on_accelerator else set())
 
 
 def _drop(data: dict, key: str) -> None:

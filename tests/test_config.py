@@ -171,6 +171,19 @@ def test_defaults_need_no_warning():
         ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "bfloat16 and bf16 are both given"),
         ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3}}},
          "scheduler.type must be one of ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'], got 'OneCycle'"),
+        ({"scheduler": {"params": {"cycle_min_lr": 1e-5}, "type": "OneCycle"}},  # params first: the type still first
+         "scheduler.type must be one of ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'], got 'OneCycle'"),
+        ({"optimizer": {"params": {"momentum": 0.9}, "type": "SGD"}}, "optimizer.type must be one of ['Adam', 'AdamW'], "
+                                                                     "got 'SGD'"),
+        ({"scheduler": {"type": "warmuplr", "params": {"cycle_min_lr": 1e-5}}},  # schedules are named in their case
+         "scheduler.type must be one of ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'], got 'warmuplr'"),
+        ({"sparse_gradients": True}, "sparse_gradients is true: sparse gradients are not implemented"),
+        ({"sparse_gradients": {"enabled": False}}, 'sparse_gradients is {"enabled": false}'),  # DeepSpeed: a dict is true
+        ({"fp32_allreduce": True}, "fp32_allreduce is true: gradients are reduced in the compute dtype"),
+        ({"elasticity": {"enabled": True}}, 'elasticity is {"enabled": true}: elastic training is not implemented; '
+                                            "remove it, or set it to DeepSpeed's default, false"),
+        ({"activation_checkpointing": {"partition_activations": {"enabled": False}}},
+         'activation_checkpointing is {"partition_activations": {"enabled": false}}'),
     ],
 )
 def test_bad_configs_name_the_field(data, message):
@@ -254,7 +267,7 @@ def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted
             "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
                                          "cpu_checkpointing": False, "number_checkpoints": None,
                                          "synchronize_checkpoint_boundary": False, "profile": False},
-            "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+            "checkpoint": {"tag_validation": "WARN", "use_node_local_storage": False},  # DeepSpeed upper-cases it
             "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}}}
     with pytest.warns(UserWarning) as caught:
         config = Config.load(data)

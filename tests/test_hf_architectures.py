@@ -168,3 +168,45 @@ def test_bf16_runs_sinusoidal_positions_in_bf16():
         x = _tokens(torch.Generator().manual_seed(1))
         engine.backward(engine(input_ids=x, labels=x))
         engine.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_pretrained_body_under_a_head_built_on_meta_keeps_every_value(stage):
+    """Note [a model partly on meta], with the model's own initialiser: GPT-2's
+    attention and MLP blocks own no tensors, and their _init_weights writes
+    their children's (c_proj), which hold loaded values here."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16, num_labels=3)
+    torch.manual_seed(0)
+    body = {k: v.clone() for k, v in transformers.GPT2ForSequenceClassification(cfg).state_dict().items()
+            if not k.startswith("score")}
+    with torch.device("meta"):
+        model = transformers.GPT2ForSequenceClassification(cfg)
+    model.load_state_dict({k: v.clone() for k, v in body.items()}, strict=False, assign=True)  # body: to compare
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    with offload.initialize(model, {"zero_optimization": zero}) as engine:
+        state = engine.state_dict()
+        changed = [k for k, v in body.items() if k in state and not torch.equal(state[k], v.float())]
+        assert not changed
+        score = state["score.weight"]
+        assert torch.isfinite(score).all() and 0.5 * cfg.initializer_range < score.std() < 2 * cfg.initializer_range
+
+
+def test_a_loaded_model_whose_rotary_buffers_are_on_meta_computes_them():
+    """Every parameter loaded with assign=True leaves Llama's non-persistent
+    rotary frequencies on meta, which no state dict restores: they are
+    computed as building the model computes them, the weights untouched."""
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=32)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(cfg)
+    weights = {k: v.clone() for k, v in eager.state_dict().items()}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict({k: v.clone() for k, v in weights.items()}, assign=True)  # weights: to compare
+    assert any(b.is_meta for b in model.buffers()) and not any(p.is_meta for p in model.parameters())
+    with offload.initialize(model, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) as e:
+        assert all(torch.equal(e.state_dict()[k], v) for k, v in weights.items())
+        for (name, got), (_, want) in zip(model.named_buffers(), eager.named_buffers()):
+            assert torch.equal(got, want), name
+        tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(e(tokens).logits, eager(tokens).logits, atol=1e-5)

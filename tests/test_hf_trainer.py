@@ -524,6 +524,24 @@ def test_hugging_faces_stock_config_loads_with_no_word_of_what_it_leaves_at_auto
     assert "stage3_prefetch_bucket_size" not in resolve_config(two, _args(tmp_path), run.tiny_gpt2())["zero_optimization"]
 
 
+def test_the_bf16_sections_old_name_resolves_and_is_checked_as_bf16(tmp_path):
+    config = run.offload_config(2)
+    config["bfloat16"] = {"enabled": "auto"}
+    assert resolve_config(config, _args(tmp_path), run.tiny_gpt2())["bf16"] == {"enabled": False}
+    config["bfloat16"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="bf16.enabled is True but TrainingArguments give False"):
+        resolve_config(config, _args(tmp_path), run.tiny_gpt2())
+
+
+def test_an_idle_auto_bucket_size_needs_no_model_width(tmp_path):
+    """reduce_bucket_size "auto" at stage 3 sizes nothing: dropped, even for a
+    model whose config has no hidden_size to size it from."""
+    config = run.offload_config(3)
+    config["zero_optimization"]["reduce_bucket_size"] = "auto"
+    del config["zero_optimization"]["stage3_prefetch_bucket_size"], config["zero_optimization"]["stage3_param_persistence_threshold"]
+    assert "reduce_bucket_size" not in resolve_config(config, _args(tmp_path), torch.nn.Linear(2, 2))["zero_optimization"]
+
+
 def test_explicit_values_that_disagree_with_the_arguments_are_errors(tmp_path):
     config = run.offload_config(2)
     config["optimizer"]["params"]["lr"] = 1e-3

@@ -19,6 +19,7 @@ import offload
 from offload import _native
 from offload.cli import main
 from offload.zero import optimizer as optimizer_module
+from offload.zero.overlap import OverlappedStep
 
 from .zero.harness import free_port
 
@@ -89,14 +90,21 @@ def test_optimizer_work_beside_compute_is_given_apart_from_the_step(tmp_path, ca
     """The delayed update's Adam runs during the next forward and backward, the
     overlapped step's during backward: counted in the step's split as well, the
     parts added up to more than the step. Each sub-group's Adam is made 10 ms
-    longer, so there is work beside compute to count in every step."""
-    adam_step = optimizer_module.adam_step
+    longer, and backward waits 15 ms after handing the overlapped step's
+    worker a sub-group, so there is work beside compute to count in every
+    step however busy the machine is (the waits are sleeps)."""
+    adam_step, reduced = optimizer_module.adam_step, OverlappedStep.reduced
 
     def slower(*args, **kwargs):
         time.sleep(0.01)
         return adam_step(*args, **kwargs)
 
+    def reduced_then_wait(self, lo, hi):
+        reduced(self, lo, hi)
+        time.sleep(0.015)
+
     monkeypatch.setattr(optimizer_module, "adam_step", slower)
+    monkeypatch.setattr(OverlappedStep, "reduced", reduced_then_wait)
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2, "sub_group_size": 20_000, "reduce_bucket_size": 20_000,
                                                         "offload_optimizer": {"device": "cpu", **extra}}}))

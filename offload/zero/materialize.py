@@ -7,11 +7,17 @@ is the default). A parameter is handed to ``on_ready`` once every module that
 holds it has been visited (a tied weight after its last holder), so the caller
 can partition and free it at once: the whole model never exists at once.
 
-Only meta tensors get values: a module whose own parameters and buffers all
-hold values already (a pretrained body under a new, meta-built head) is not
-initialised, so its values stay. A module holding both kinds is refused
-before anything changes (``check_meta_modules``): its initialiser would
-overwrite the values it holds.
+Note [a model partly on meta]
+Only meta tensors get values; those that hold values keep them (a pretrained
+body loaded with ``assign=True`` under a new head built on meta; a loaded
+embedding whose non-persistent buffer no state dict restores):
+  - a module whose own tensors all hold values is not initialised;
+  - one holding both kinds is initialised as if all were on meta (its real
+    tensors set aside, fresh ones in their place, so ``init_fn`` and its
+    checks see the module as a meta-built one), then gets its real ones back;
+  - one with no tensors of its own (Hugging Face's ``_init_weights`` of an
+    attention block writes its children's) only if every tensor under it
+    was on meta.
 
 The same routine builds a model eagerly (``on_ready=None``). So a model that
 is always built on meta and then materialised this way gets the same weights
@@ -89,40 +95,39 @@ def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
 
 
-def check_meta_modules(model: torch.nn.Module) -> None:
-    """Refuses a model whose modules hold meta and real tensors side by side."""
-    mixed = []
-    for name, module in model.named_modules():
-        if len({t.is_meta for t in _own_tensors(module)}) == 2:
-            on_meta = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
-            mixed.append(f"{name or type(model).__name__} ({', '.join(on_meta)} on meta)")
-    if mixed:
-        raise UsageError(f"{'; '.join(mixed[:5])}{' and more' if len(mixed) > 5 else ''}: a module with some tensors "
-                         "on the meta device and others holding values cannot be initialised without overwriting "
-                         "those values; give the module all its values (load_state_dict(..., assign=True)) or "
-                         "none (build it on meta)")
-
-
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
                 on_ready: Callable[[torch.nn.Parameter], None] | None = None) -> None:
+    """Note [a model partly on meta] for what holds values already."""
     init_fn = init_fn or default_init
     holders: dict[torch.nn.Parameter, int] = {}
     for module in model.modules():
         for p in set(module.parameters(recurse=False)):
             holders[p] = holders.get(p, 0) + 1
+    all_meta_below = {id(m) for m in model.modules() if all(t.is_meta for t in [*m.parameters(), *m.buffers()])}
     for module in model.modules():
         own = set(module.parameters(recurse=False))
         tensors = _own_tensors(module)
-        built = not tensors or any(t.is_meta for t in tensors)  # else it holds values of its own: they stay
+        built = any(t.is_meta for t in tensors) if tensors else id(module) in all_meta_below
+        aside: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (parameter, its values while init_fn runs)
+        buffers_aside: dict[str, torch.Tensor] = {}
         for p in own:
             if p.is_meta:  # swap, not replace: the same Parameter object stays in every holder
                 torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+            elif built:
+                values = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
+                torch.utils.swap_tensors(p, values)
+                aside.append((p, values))
         for name, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+            elif b is not None and built:
+                buffers_aside[name], module._buffers[name] = b, torch.empty_like(b)
         if built:
             with torch.no_grad():
                 init_fn(module)
+        for p, values in aside:
+            torch.utils.swap_tensors(p, values)
+        module._buffers.update(buffers_aside)
         for p in own:
             holders[p] -= 1
             if holders[p] == 0 and on_ready is not None:
@@ -130,7 +135,9 @@ def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], Non
 
 
 def is_meta(model: torch.nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
+    """Any parameter or buffer on the meta device (a non-persistent buffer no
+    state dict restores, say, under parameters all loaded)."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 @contextlib.contextmanager

@@ -702,7 +702,8 @@ def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
         with pytest.raises(TypeError, match=r"returns the engine alone, not DeepSpeed's \(engine, optimizer"):
             _, _, _, _ = engine
         for name, where in (("lr_scheduler", "the config's scheduler section runs inside engine.step"),
-                            ("no_sync", "gradient_accumulation_steps"), ("get_loss_scale", "engine.loss_scale")):
+                            ("no_sync", "gradient_accumulation_steps"), ("get_loss_scale", "engine.loss_scale"),
+                            ("parameters", "engine.module is the model"), ("half", "sets the compute dtype")):
             with pytest.raises(AttributeError, match=f"offload's engine has no {name}: .*{re.escape(where)}"):
                 getattr(engine, name)
             assert not hasattr(engine, name)
@@ -710,6 +711,9 @@ def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
             engine.optimizer.cur_scale
         with pytest.raises(AttributeError, match="'Engine' object has no attribute 'nothing'"):
             engine.nothing
+    # DeepSpeed's own defaults for its other arguments ask for nothing
+    offload.initialize(model=make_model(), config=cfg, args=None, optimizer=None, lr_scheduler=None, mpu=None,
+                       training_data=None, dist_init_required=None).close()
     with pytest.raises(UsageError, match="param_groups and model_parameters are both given"):
         offload.initialize(make_model(), cfg, param_groups=groups, model_parameters=groups)
     with pytest.raises(UsageError, match=r"does not take optimizer= \(the optimizer is the config's optimizer section"):

@@ -11,7 +11,6 @@ import torch
 
 import offload
 from offload import _native
-from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -49,7 +48,6 @@ def test_same_weights_as_eager_construction(tmp_path, stage):
 
 _BUDGET_SCRIPT = """
 import gc, sys, psutil, torch, offload
-from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 path = sys.argv[1]
 cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 2_000_000,
@@ -110,7 +108,7 @@ def test_a_meta_built_head_on_a_body_with_values_initialises_the_head_only(tmp_p
     body = {k: v.clone() for k, v in _BodyAndHead().body.state_dict().items()}
     with torch.device("meta"):
         model = _BodyAndHead()
-    model.body.load_state_dict(body, assign=True)
+    model.body.load_state_dict({k: v.clone() for k, v in body.items()}, assign=True)  # compared with body below
     torch.manual_seed(2)
     head = torch.nn.Linear(32, 3).state_dict()  # its reset_parameters' draws, first after the seed
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
@@ -123,14 +121,38 @@ def test_a_meta_built_head_on_a_body_with_values_initialises_the_head_only(tmp_p
             assert torch.equal(state[f"head.{key}"], value), key
 
 
-def test_a_module_half_on_meta_is_refused_before_anything_changes():
+def test_a_module_half_on_meta_keeps_its_values_and_initialises_the_rest():
+    """A LayerNorm whose weight was loaded and whose bias is on meta: the weight
+    stays, the bias gets what LayerNorm's reset gives it (zeros)."""
     torch.manual_seed(1)
     body = _BodyAndHead().body.state_dict()
+    body["1.weight"] = torch.rand(32) + 2.0  # not LayerNorm's ones
     with torch.device("meta"):
         model = _BodyAndHead()
-    values = {k: v for k, v in body.items() if k != "1.bias"}  # the LayerNorm's bias stays on meta
-    model.body.load_state_dict(values, strict=False, assign=True)
-    with pytest.raises(UsageError, match=r"body\.1 \(bias on meta\): a module with some tensors on the meta"):
-        offload.initialize(model, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    assert all(torch.equal(model.body.state_dict()[k], v) for k, v in values.items())
-    assert model.body[1].bias.is_meta
+    values = {k: v for k, v in body.items() if k != "1.bias"}
+    model.body.load_state_dict({k: v.clone() for k, v in values.items()}, strict=False, assign=True)
+    with offload.initialize(model, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) as e:
+        state = e.state_dict()
+        assert all(torch.equal(state[f"body.{k}"], v) for k, v in values.items())
+        assert torch.equal(state["body.1.bias"], torch.zeros(32))
+
+
+def test_a_block_is_initialised_only_when_everything_under_it_was_on_meta():
+    """An init_fn that writes a child's weight from its parent (as Hugging Face's
+    does for GPT-2's attention blocks) must not reach a child holding values."""
+    def init_fn(module):
+        if isinstance(module, torch.nn.Sequential):
+            module[0].weight.fill_(7.0)
+        elif isinstance(module, torch.nn.Linear):
+            module.reset_parameters()
+
+    torch.manual_seed(1)
+    loaded = torch.nn.Linear(4, 4).state_dict()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model[0][0].load_state_dict({k: v.clone() for k, v in loaded.items()}, assign=True)  # the second block is new
+    with offload.initialize(model, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                            init_fn=init_fn) as engine:
+        state = engine.state_dict()
+        assert torch.equal(state["0.0.weight"], loaded["weight"]) and torch.equal(state["0.0.bias"], loaded["bias"])
+        assert torch.isfinite(state["1.0.weight"]).all()

@@ -277,7 +277,10 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
     (["estimate", "--params", "1B", "--gpu-mem", "80"], "'80' would be 80 bytes; give the unit, e.g. 80GiB"),
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
-    (["estimate", "--model-config", "huge"], "is neither a Hugging Face model directory or config.json"),
+    (["estimate", "--model-config", "huge"], "'huge' is not a bundled size (tiny, small, 5M, 25M, 85M), nor a Hugging"),
+    (["estimate", "--model-config", "meta-llama/Llama-2-7b-hf"], "and a Hugging Face Hub id is not downloaded: fetch "
+                                                                 "its config first"),
+    (["estimate", "--model-config", "/nonexistent/dir"], "--model-config '/nonexistent/dir': no such file or directory"),
     (["estimate", "--params", "1B", "--trainable", "2B"], "--trainable 2,000,000,000 must be between 1 and"),
     (["plan", "--params", "1B", "--nvme-path", "/nonexistent"], "is not a directory"),
     (["plan", "--params", "1B", "--out", "/nonexistent/plan.json"], "does not exist; create it first"),

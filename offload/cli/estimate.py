@@ -63,8 +63,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     if args.params is not None:
         shape = ModelShape.from_count(args.params)
     elif not os.path.exists(args.model_config) and size_name(args.model_config) is None:
-        raise UsageError(f"--model-config {args.model_config!r} is neither a Hugging Face model directory or "
-                         f"config.json, nor a bundled GPT's model-config JSON, nor a bundled size ({', '.join(SIZES)})")
+        raise UsageError(_no_model_config(args.model_config))
     elif is_hf_config(args.model_config):
         shape = ModelShape.from_hf_config(args.model_config)
     else:
@@ -72,6 +71,17 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     if args.trainable is not None and not 0 < args.trainable <= shape.params:
         raise UsageError(f"--trainable {args.trainable:,} must be between 1 and the model's {shape.params:,} parameters")
     return shape.with_trainable(args.trainable)
+
+
+def _no_model_config(choice: str) -> str:
+    """What a --model-config that names nothing here most likely meant."""
+    if choice.count("/") == 1 and not choice.startswith((".", "/", "~")) and not choice.endswith(".json"):
+        return (f"--model-config {choice!r} does not exist here, and a Hugging Face Hub id is not downloaded: fetch "
+                f"its config first (huggingface_hub.hf_hub_download({choice!r}, 'config.json')) and pass that file")
+    if os.sep in choice or choice.endswith(".json"):
+        return f"--model-config {choice!r}: no such file or directory"
+    return (f"--model-config {choice!r} is not a bundled size ({', '.join(SIZES)}), nor a Hugging Face model "
+            "directory or config.json, nor a bundled GPT's model-config JSON here")
 
 
 def is_hf_config(choice: str) -> bool:

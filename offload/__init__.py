@@ -64,18 +64,18 @@ def initialize(model, config: str | os.PathLike | dict | Config | None = None, i
 
 
 # deepspeed.initialize's arguments that offload.initialize does not take -> what to do instead.
+_NO_LOADER = "offload makes no data loader: iterate your own and call engine(batch)"
+_OWN_GROUP = "offload joins the torch.distributed group that torchrun describes (or none) by itself"
 _DEEPSPEED_ONLY = {
     "optimizer": "the optimizer is the config's optimizer section (Adam or AdamW, stepped on the CPU by offload's own "
                  "kernel): give its settings there, and per-group ones as param_groups",
     "lr_scheduler": "the schedule is the config's scheduler section (WarmupLR, WarmupDecayLR, WarmupCosineLR), or "
                     "set engine.lr before each step",
-    "training_data": "offload makes no data loader: iterate your own and call engine(batch)",
-    "collate_fn": "offload makes no data loader: iterate your own and call engine(batch)",
+    **dict.fromkeys(("training_data", "collate_fn"), _NO_LOADER),
     "config_params": "it is DeepSpeed's old name for config: pass config=",
     "args": "DeepSpeed reads the config's path from args.deepspeed_config; pass config= (a path, a dict or a Config)",
     "mpu": "model parallelism is not implemented",
-    "dist_init_required": "offload joins the torch.distributed group that torchrun describes (or none) by itself",
-    "distributed_port": "offload joins the torch.distributed group that torchrun describes (or none) by itself",
+    **dict.fromkeys(("dist_init_required", "distributed_port"), _OWN_GROUP),
     "mesh_param": "model and sequence parallelism are not implemented",
 }
 

@@ -458,9 +458,6 @@ REFUSED_KEYS = {
 class _Off:
     """The default of a DeepSpeed section with an ``enabled`` switch: off."""
 
-    def __repr__(self) -> str:
-        return "false"
-
 
 OFF = _Off()
 
@@ -516,6 +513,20 @@ DEFAULT_ONLY_KEYS = {
                                                       "step count it follows")},
 }
 
+REDUCE_BUCKET, PREFETCH_BUCKET, PERSISTENCE = (f"zero_optimization.{k}" for k in (
+    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"))
+
+
+def idle_bucket_sizes(stage: int, weights_device: str) -> dict[str, str]:
+    """The model-sized keys that do nothing at ``stage`` with stage 3 weights
+    on ``weights_device`` (offload_param.device), each with why."""
+    idle = ({REDUCE_BUCKET: "stage 3 reduces each parameter's gradient on its own"} if stage == 3 else
+            {PERSISTENCE: "it needs stage 3"})
+    if stage < 3 or weights_device == "none":
+        idle[PREFETCH_BUCKET] = "only stage 3 weights off the accelerator are brought ahead"
+    return idle
+
+
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
     """(key, why) for each key the user set that does nothing in this setup."""
     z, oo, op = c.zero_optimization, c.zero_optimization.offload_optimizer, c.zero_optimization.offload_param
@@ -523,10 +534,6 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
     rules = [
         ("zero_optimization.overlap_comm", z.overlap_comm, "collectives run synchronously in this version"),
         ("zero_optimization.contiguous_gradients", not z.contiguous_gradients, "gradients are always copied into contiguous buckets"),
-        ("zero_optimization.reduce_bucket_size", z.stage == 3, "stage 3 reduces each parameter's gradient on its own"),
-        ("zero_optimization.stage3_param_persistence_threshold", z.stage < 3, "it needs stage 3"),
-        ("zero_optimization.stage3_prefetch_bucket_size", z.stage < 3 or op.device == "none",
-         "only stage 3 weights off the accelerator are brought ahead"),
         ("zero_optimization.stage3_max_live_parameters", z.stage < 3 or op.device == "none",
          "it bounds what stage 3 brings ahead of weights off the accelerator"),
         ("zero_optimization.offload_param.buffer_size", z.stage < 3 or op.device == "none",
@@ -552,6 +559,7 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "
          "after backward)"),
     ]
+    rules += [(key, True, why) for key, why in idle_bucket_sizes(z.stage, op.device).items()]
     defaults = FP16Config()
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                 "min_loss_scale"):

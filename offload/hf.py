@@ -61,7 +61,8 @@ import torch
 
 import offload
 from offload.checkpoint.format import latest_tag
-from offload.config import Config, bf16_named, read_json
+from offload.config import (PERSISTENCE, PREFETCH_BUCKET, REDUCE_BUCKET, Config, ZeroConfig, bf16_named, idle_bucket_sizes,
+                            read_json)
 from offload.destinations import directory_problem
 from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
@@ -109,8 +110,6 @@ def _scheduler_arguments(args: transformers.TrainingArguments, steps: int | None
 
 
 STEP_COUNTS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")  # known in train()
-REDUCE_BUCKET, PREFETCH_BUCKET, PERSISTENCE = (f"zero_optimization.{k}" for k in (
-    "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"))
 
 
 def _model_sized(model: torch.nn.Module) -> dict[str, object]:
@@ -169,17 +168,13 @@ def resolve_config(source: str | os.PathLike | dict, args: transformers.Training
 
 
 def _idle_bucket_sizes(data: dict) -> set[str]:
-    """The model-sized keys that do nothing in the config's setup: the reduce
-    bucket at stage 3 (each parameter reduces on its own), the stage3_ keys
-    below it, and the prefetch bucket while stage 3 weights stay on the
-    accelerator (nothing to bring ahead)."""
+    """The model-sized keys that do nothing in the config's setup, read before
+    the config is parsed ("auto" is no value it accepts)."""
     zero = data.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
-    if zero.get("stage", 2) != 3:
-        return {PREFETCH_BUCKET, PERSISTENCE}
     weights = zero.get("offload_param")
-    on_accelerator = not isinstance(weights, dict) or weights.get("device", "none") == "none"
-    return {REDUCE_BUCKET} | ({PREFETCH_BUCKET} if on_accelerator else set())
+    device = weights.get("device", "none") if isinstance(weights, dict) else "none"
+    return set(idle_bucket_sizes(zero.get("stage", ZeroConfig.stage), device))
 
 
 def _drop(data: dict, key: str) -> None:

@@ -473,10 +473,13 @@ def test_from_pretrained_names_what_it_takes(tmp_path):
 @needs_hf
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_a_hugging_face_model_built_under_init_gets_its_own_initialisation(build):
-    """As from_config initialises it: the model's initializer_range (0.02),
-    not torch's defaults (a 64-wide Linear: std 0.072), zero biases; GPT-2's
-    Conv1D, which has no reset_parameters, needs no init_fn."""
+    """As from_config initialises it: each matrix's spread within 20% of the
+    eagerly built model's, so the model's initializer_range (0.02) and GPT-2's
+    depth-scaled residual projections (0.01 at two layers), not torch's
+    defaults (a 64-wide Linear: std 0.072); zero biases; GPT-2's Conv1D, which
+    has no reset_parameters, needs no init_fn."""
     torch.manual_seed(0)
+    eager = build().state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with offload.init(config(3, "cpu", 1, param_device="cpu")):
@@ -485,10 +488,10 @@ def test_a_hugging_face_model_built_under_init_gets_its_own_initialisation(build
     with engine:
         state = engine.state_dict()
         _train(engine)
-    matrices = [v for k, v in state.items() if v.dim() == 2 and "embed" not in k and "wte" not in k and "wpe" not in k]
+    matrices = [k for k, v in state.items() if v.dim() == 2 and "embed" not in k and "wte" not in k and "wpe" not in k]
     assert len(matrices) >= 8
-    for value in matrices:
-        assert abs(value.std().item() - 0.02) < 0.004
+    for key in matrices:
+        assert abs(state[key].std() / eager[key].std() - 1) < 0.2, key
     biases = [v for k, v in state.items() if k.endswith(".bias") and "ln" not in k]
     assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
 

@@ -1,11 +1,15 @@
 """Turning a model built on the meta device into real weights, one module at a time.
 
-``materialize`` visits ``model.modules()`` in order. For each module it
-allocates the module's own meta parameters and buffers on the CPU and runs
-``init_fn(module)``, which must initialise only those (``reset_parameters``
-is the default). A parameter is handed to ``on_ready`` once every module that
-holds it has been visited (a tied weight after its last holder), so the caller
-can partition and free it at once: the whole model never exists at once.
+``materialize`` visits each module after its children, the order in which
+Hugging Face initialises a model, so a block's initialiser that writes its
+children's weights (GPT-2 scales its residual projections by depth) has the
+last word. For each module it allocates the module's own meta parameters and
+buffers on the CPU and runs ``init_fn(module)``, which must initialise only
+those or its children's (``reset_parameters`` is the default). A parameter is
+handed to ``on_ready`` once every module that holds it, and every parent of
+those, has been visited (a tied weight after its last holder's parent), so the
+caller can partition and free it at once: the whole model never exists at
+once, only one module's children's parameters.
 
 Note [a model partly on meta]
 Only meta tensors get values; those that hold values keep them (a pretrained
@@ -95,43 +99,74 @@ def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
 
 
+def _children_first(model: torch.nn.Module) -> tuple[list[torch.nn.Module], dict[int, int]]:
+    """Each module once, after its children; and by id, where in that order
+    the last of a module's parents comes (the module's own place for the root)."""
+    order: list[torch.nn.Module] = []
+    last_parent: dict[int, int] = {}
+    parents: dict[int, list[torch.nn.Module]] = {}
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            parents.setdefault(id(child), []).append(module)
+            if len(parents[id(child)]) == 1:  # a shared module is visited under its first parent
+                visit(child)
+        order.append(module)
+
+    visit(model)
+    at = {id(m): i for i, m in enumerate(order)}
+    for i, module in enumerate(order):
+        last_parent[id(module)] = max((at[id(p)] for p in parents.get(id(module), ())), default=i)
+    return order, last_parent
+
+
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
                 on_ready: Callable[[torch.nn.Parameter], None] | None = None) -> None:
     """Note [a model partly on meta] for what holds values already."""
     init_fn = init_fn or default_init
+    order, last_parent = _children_first(model)
     holders: dict[torch.nn.Parameter, int] = {}
-    for module in model.modules():
+    for module in order:
         for p in set(module.parameters(recurse=False)):
             holders[p] = holders.get(p, 0) + 1
-    all_meta_below = {id(m) for m in model.modules() if all(t.is_meta for t in [*m.parameters(), *m.buffers()])}
-    for module in model.modules():
-        own = set(module.parameters(recurse=False))
-        tensors = _own_tensors(module)
-        built = any(t.is_meta for t in tensors) if tensors else id(module) in all_meta_below
-        aside: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (parameter, its values while init_fn runs)
-        buffers_aside: dict[str, torch.Tensor] = {}
-        for p in own:
-            if p.is_meta:  # swap, not replace: the same Parameter object stays in every holder
-                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
-            elif built:
-                values = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
-                torch.utils.swap_tensors(p, values)
-                aside.append((p, values))
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
-            elif b is not None and built:
-                buffers_aside[name], module._buffers[name] = b, torch.empty_like(b)
-        if built:
-            with torch.no_grad():
-                init_fn(module)
-        for p, values in aside:
+    released_at: dict[int, list[torch.nn.Module]] = {}
+    for module in order:
+        released_at.setdefault(last_parent[id(module)], []).append(module)
+    all_meta_below = {id(m) for m in order if all(t.is_meta for t in [*m.parameters(), *m.buffers()])}
+    for i, module in enumerate(order):
+        _initialise(module, init_fn, id(module) in all_meta_below)
+        for done in released_at.get(i, ()):
+            for p in set(done.parameters(recurse=False)):
+                holders[p] -= 1
+                if holders[p] == 0 and on_ready is not None:
+                    on_ready(p)
+
+
+def _initialise(module: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None], all_meta_below: bool) -> None:
+    """Give ``module``'s own meta tensors values (Note [a model partly on meta])."""
+    own = set(module.parameters(recurse=False))
+    tensors = _own_tensors(module)
+    built = any(t.is_meta for t in tensors) if tensors else all_meta_below
+    aside: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (parameter, its values while init_fn runs)
+    buffers_aside: dict[str, torch.Tensor] = {}
+    for p in own:
+        if p.is_meta:  # swap, not replace: the same Parameter object stays in every holder
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+        elif built:
+            values = torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
             torch.utils.swap_tensors(p, values)
-        module._buffers.update(buffers_aside)
-        for p in own:
-            holders[p] -= 1
-            if holders[p] == 0 and on_ready is not None:
-                on_ready(p)
+            aside.append((p, values))
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+        elif b is not None and built:
+            buffers_aside[name], module._buffers[name] = b, torch.empty_like(b)
+    if built:
+        with torch.no_grad():
+            init_fn(module)
+    for p, values in aside:
+        torch.utils.swap_tensors(p, values)
+    module._buffers.update(buffers_aside)
 
 
 def is_meta(model: torch.nn.Module) -> bool:

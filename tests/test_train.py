@@ -195,10 +195,11 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert proc.stdout.count("trained GPT") == 1  # rank 0 reports
 
 
-def _interrupt(argv, tmp_path, signum=signal.SIGINT):
+def _interrupt(argv, tmp_path, signum=signal.SIGINT, reports=1):
     """Runs argv, sends it ``signum`` (SIGINT as Ctrl-C does; SIGTERM as kill,
-    SLURM and docker do) once rank 0 has reported its first step, and returns
-    (exit status, stderr lines)."""
+    SLURM and docker do) once rank 0 has reported its progress ``reports``
+    times (the first after the first step, then every 5 s), and returns (exit
+    status, stderr lines)."""
     env = {**_temporary_directory(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             # as at a terminal: a runner started in the background may have SIGINT ignored
@@ -209,7 +210,8 @@ def _interrupt(argv, tmp_path, signum=signal.SIGINT):
         lines = []
         for line in proc.stderr:
             lines.append(line.rstrip("\n"))
-            if line.startswith("train ["):
+            reports -= line.startswith("train [")
+            if reports == 0:
                 break
         proc.send_signal(signum)
         _, rest = proc.communicate()
@@ -278,7 +280,7 @@ def test_an_error_after_ctrl_c_is_reported_as_the_interruption(monkeypatch, caps
             signal.raise_signal(signal.SIGINT)  # handled here, at the first call after it arrived
             closed.append(restore_model)
 
-    def run(args, model_config, seq_len, raw, made):
+    def run(args, model_config, seq_len, raw, made, *plan):
         made.engine = Engine()
         raise RuntimeError("[gloo] Connection closed by peer")
 
@@ -292,7 +294,7 @@ def test_an_error_after_ctrl_c_is_reported_as_the_interruption(monkeypatch, caps
 def test_an_error_without_ctrl_c_keeps_its_traceback(monkeypatch, default_sigint):
     from offload.cli import train
 
-    def run(args, model_config, seq_len, raw, made):
+    def run(args, model_config, seq_len, raw, made, *plan):
         raise RuntimeError("[gloo] Connection closed by peer")
 
     monkeypatch.setattr(train, "_run", run)
@@ -366,3 +368,72 @@ def test_steps_skipped_for_an_fp16_overflow_are_said_and_left_out_of_the_figures
     assert f"{s['skipped_steps']} of 8 steps skipped for an fp16 overflow" in capsys.readouterr().out
     state = s["bytes_per_tier"]["nvme"]
     assert s["disk_bytes_per_step"]["bytes_written"] == state
+
+
+def _exported(checkpoint, path):
+    from offload.safetensors_file import read_safetensors
+
+    assert main(["export", str(checkpoint), "--out", str(path)]) == 0
+    return read_safetensors(str(path))
+
+
+@native
+def test_a_run_resumed_from_its_checkpoint_takes_the_uninterrupted_runs_steps(tmp_path, capsys):
+    """--save-interval leaves a checkpoint halfway; resumed from it (the default
+    config: optimizer state on NVMe), the run takes the steps of the run that
+    went on, bit for bit: the same losses, held-out loss and final weights."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main(["train", "--model", "tiny", "--steps", "6", "--save-interval", "3", "--save", str(whole),
+                 "--out", str(tmp_path / "o1")]) == 0
+    assert sorted(os.listdir(whole)) == ["global_step3", "global_step6", "latest"]
+    assert main(["train", "--model", "tiny", "--steps", "6", "--resume", str(whole / "global_step3"),
+                 "--save", str(resumed), "--out", str(tmp_path / "o2")]) == 0
+    report = capsys.readouterr().out
+    assert f"for steps 4-6 (resumed from {whole / 'global_step3'})" in report
+    assert f"checkpoint: {resumed / 'global_step6'}" in report
+    first, second = summary_of(tmp_path / "o1"), summary_of(tmp_path / "o2")
+    assert len(second["losses"]) == 6 and second["losses"] == first["losses"]
+    assert (second["eval_loss_start"], second["eval_loss_end"]) == (first["eval_loss_start"], first["eval_loss_end"])
+    a, b = _exported(whole, tmp_path / "a.safetensors"), _exported(resumed, tmp_path / "b.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@native
+def test_save_and_resume_refuse_before_training_what_they_cannot_do(tmp_path, capsys):
+    saved = tmp_path / "saved"
+    assert main(["train", "--model", "tiny", "--steps", "2", "--save", str(saved), "--out", str(tmp_path / "o")]) == 0
+    foreign = tmp_path / "foreign"
+    with offload.initialize(torch.nn.Linear(4, 4), {"zero_optimization": {"stage": 1}}) as engine:
+        engine.save_checkpoint(str(foreign))
+    (tmp_path / "empty").mkdir()
+    for argv, message in [
+        (["--steps", "2", "--resume", str(saved)], "the checkpoint is at step 2, so --steps 2 leaves nothing"),
+        (["--model", "small", "--steps", "4", "--resume", str(saved)], "pass the --model it was trained with"),
+        (["--steps", "2", "--save", str(saved)], "holds global_step2 already"),
+        (["--save-interval", "2"], "--save-interval needs --save DIR"),
+        (["--resume", str(tmp_path / "empty")], "no checkpoint here"),
+        (["--resume", str(foreign)], "was not saved by offload train"),
+        (["--save", str(tmp_path / "o" / "summary.json")], "is not a directory"),
+    ]:
+        argv = ["train", "--model", "tiny", *argv, "--out", str(tmp_path / "never")]
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not (tmp_path / "never").exists()
+
+
+@native
+def test_an_interrupted_run_names_its_last_checkpoint_which_resumes_it(tmp_path):
+    """Ctrl-C keeps what --save wrote: the line names the newest complete
+    checkpoint (the one ``latest`` names), and --resume continues from it."""
+    saved = tmp_path / "saved"
+    status, lines = _interrupt([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "100000",
+                                "--save-interval", "1", "--save", str(saved), "--out", str(tmp_path / "o")],
+                               tmp_path, reports=2)
+    assert status == 130, lines
+    named = re.search(r"; the last checkpoint, (\S+), takes --resume$", lines[-1])
+    assert named, lines[-1]
+    step = int(named.group(1).rsplit("global_step", 1)[1])
+    assert named.group(1) == str(saved / (saved / "latest").read_text().strip())
+    assert main(["train", "--model", "tiny", "--steps", str(step + 1), "--resume", str(saved),
+                 "--out", str(tmp_path / "o2")]) == 0
+    assert len(summary_of(tmp_path / "o2")["losses"]) == step + 1

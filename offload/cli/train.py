@@ -28,8 +28,12 @@ are counted and said, and left out of both. Under ``torchrun --nproc_per_node N 
 offload train`` every rank trains on different batches (gloo on CPU, NCCL on
 GPUs); rank 0 reports.
 
+``--save DIR`` writes checkpoints (at the end; every ``--save-interval``
+steps too), and ``--resume`` continues a run from one: ``train_checkpoints``.
+
 Ctrl-C stops the run: the swap files go, and so does an --out directory the
-run made and left empty; one line says so, and the exit status is 130.
+run made and left empty; one line says so, naming the newest checkpoint, and
+the exit status is 130.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -52,6 +57,7 @@ import offload
 from offload.cli.args import gpt_config, model_name, positive_int, seed
 from offload.cli.interrupt import Sigint
 from offload.cli.progress import Progress
+from offload.cli.train_checkpoints import Resumed, client_state, resumed, save_steps, tag
 from offload.config import nvme_sections, read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.errors import UsageError
@@ -81,6 +87,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    f"a new temporary directory in {tempfile.gettempdir()}, removed after)")
     p.add_argument("--seed", type=seed, default=0, help="seed for the weights and the batches (default 0)")
     p.add_argument("--out", default=None, help="directory for summary.json and loss.png (default runs/train-<time>)")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="save a checkpoint under DIR at the end (tag global_step<N>), for --resume and offload export")
+    p.add_argument("--save-interval", metavar="N", type=positive_int, default=None,
+                   help="with --save: a checkpoint every N steps too")
+    p.add_argument("--resume", metavar="CHECKPOINT", default=None,
+                   help="continue a run from a checkpoint it saved (a checkpoint directory, or a --save DIR whose "
+                        "latest names one) up to --steps; with the options it was saved with, the steps taken are "
+                        "those of the run uninterrupted")
     p.set_defaults(run=run)
 
 
@@ -95,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model: vocab_size {model_config.vocab_size} is below 256; the bundled text is bytes, "
                         f"so the model needs a vocabulary of at least 256")
     raw = _raw_config(args)
+    resume = resumed(args.resume, model_config, args.steps)
+    saves = save_steps(args.save, args.save_interval, resume.step if resume else 0, args.steps)
     made = _Made(reporting=int(os.environ.get("RANK", "0")) == 0)
     sigint = Sigint()
     try:
         try:
-            summary = _run(args, model_config, seq_len, raw, made)
+            summary = _run(args, model_config, seq_len, raw, made, resume, saves)
         finally:
             sigint.armed = False  # first, before any call: Note [Ctrl-C]
             made.remove()
@@ -130,6 +146,7 @@ class _Made:
     engine: offload.Engine | None = None  # its close() removes its swap files
     process_group: bool = False
     bar: Progress | None = None
+    checkpoints: list[str] = dataclasses.field(default_factory=list)  # --save's, oldest first: they stay
 
     def remove(self) -> None:
         with contextlib.ExitStack() as stack:  # last in, first out; each runs even if one before it raised
@@ -147,7 +164,8 @@ class _Made:
         at = f"after {self.bar.done} of {self.bar.total} steps" if self.bar is not None else "before training"
         gone = ["its swap files"] if self.swap_dir is not None else []
         gone += [f"the empty {self.out_dirs[0]}"] if self.out_dirs and not os.path.exists(self.out_dirs[0]) else []
-        return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove")
+        kept = f"; the last checkpoint, {self.checkpoints[-1]}, takes --resume" if self.checkpoints else ""
+        return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove") + kept
 
 
 def _remove_if_empty(dirs: list[str]) -> None:
@@ -158,7 +176,8 @@ def _remove_if_empty(dirs: list[str]) -> None:
             return
 
 
-def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) -> dict:
+def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made, resume: Resumed | None,
+         saves: list[int]) -> dict:
     made.swap_dir = _place_swap_files(args, raw, made)
     config = offload.Config.load(raw)
     made.out = args.out or os.path.join("runs", time.strftime("train-%Y%m%d-%H%M%S"))
@@ -168,7 +187,7 @@ def _run(args, model_config: GPTConfig, seq_len: int, raw: dict, made: _Made) ->
     made.process_group = comm.join_the_launch(config.comm_timeout_s)
     rank, world = comm.world()
     data = ByteBatches(stdlib_corpus(), seq_len, config.batch(world).micro, args.seed)
-    summary = _train(args, model_config, config, data, rank, world, made)
+    summary = _train(args, model_config, config, data, rank, world, made, resume, saves)
     if made.reporting:
         _write_outputs(made.out, summary)
     return summary
@@ -250,7 +269,7 @@ def _shown(path: str) -> str:
 
 
 def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatches, rank: int, world: int,
-           made: _Made) -> dict:
+           made: _Made, resume: Resumed | None, saves: list[int]) -> dict:
     torch.manual_seed(args.seed)
     with offload.init(config):
         model = GPT(model_config)
@@ -261,12 +280,19 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     accumulation = engine.accumulation
     tokens_per_step = data.batch_size * data.seq_len * accumulation * world
     evals = data.eval_batches(EVAL_BATCHES)
-    rows, losses = [], []
-    bar = made.bar = Progress(args.steps, "train", enabled=rank == 0)
-    eval_start = _evaluate(engine, evals)
+    rows, losses, checkpoints = [], [], made.checkpoints
+    start_step = 0
+    if resume is None:
+        eval_start = _evaluate(engine, evals)
+    else:
+        with warnings.catch_warnings():  # the rate is set before each step below, from the step
+            warnings.filterwarnings("ignore", "load_checkpoint: the learning rate resumes")
+            engine.load_checkpoint(os.path.dirname(resume.directory), os.path.basename(resume.directory))
+        start_step, losses, eval_start = resume.step, list(resume.losses), resume.eval_loss_start
+    bar = made.bar = Progress(args.steps - start_step, "train", enabled=rank == 0)
     engine.synchronize()  # the initial state's writes are initialize's, not a step's
     disk_from = engine.disk_traffic()
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         if engine.schedule is None:
             engine.lr = learning_rate(step, args.steps, config.optimizer.params.lr)
         start = time.perf_counter()
@@ -287,12 +313,17 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
                "applied": engine.was_step_applied()}  # not skipped for an fp16 overflow
         rows.append(row)
         losses.append(mean_loss)
-        if step == 0:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
+        if step == start_step:  # the tiers' sizes are set by then; a report waits for a delayed update in flight
             tiers = engine.memory_report().by_tier()
         beside = f" (+{1e3 * row['optimizer_hidden']:.0f}ms beside)" if row["optimizer_hidden"] else ""
         bar.advance(f"loss {mean_loss:.3f} | {tokens_per_step / wall:,.0f} tok/s | compute {1e3 * compute:.0f}ms "
                     f"optim {1e3 * row['optimizer']:.0f}ms{beside} swap {1e3 * row['swap']:.0f}ms | "
                     + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
+        if step + 1 in saves:  # after the step's figures: a save is no step's work, nor are its reads
+            before = engine.disk_traffic()
+            checkpoints.append(engine.save_checkpoint(args.save, tag(step + 1),
+                                                      client_state(model_config, losses, eval_start)))
+            disk_from += engine.disk_traffic() - before
     engine.synchronize()  # the last step's write-backs, so that they count
     disk = engine.disk_traffic() - disk_from
     eval_end = _evaluate(engine, evals)
@@ -307,6 +338,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "world_size": world, "steps": args.steps, "seq_len": data.seq_len, "micro_batch": data.batch_size,
         "accumulation": accumulation, "tokens_per_step": tokens_per_step, "seed": args.seed,
         "config": dataclasses.asdict(config), "losses": losses,
+        "resumed_from": None if resume is None else {"checkpoint": resume.directory, "step": start_step},
+        "checkpoints": checkpoints,
         "lr_schedule": f"the config's scheduler, {config.scheduler.type}" if engine.schedule else
                        "linear warm-up over the first tenth of the steps, cosine decay to a tenth of optimizer.params.lr",
         "weight_decay": f"{config.optimizer.params.weight_decay} on weight matrices, none on biases and norm gains",
@@ -393,8 +426,11 @@ def _report(s: dict, out_dir: str) -> str:
         split += f"; beside compute, {t['optimizer_hidden']:.3f}s more of optimizer work"
     disk = s["disk_bytes_per_step"]
     peaks = ", ".join(f"{tier} {human_bytes(b)}" for tier, b in s["peak_bytes_per_tier"].items())
+    resumed = s["resumed_from"]
+    steps = f"{s['steps']} steps" if resumed is None else \
+        f"steps {resumed['step'] + 1}-{s['steps']} (resumed from {resumed['checkpoint']})"
     return "\n".join([
-        f"trained GPT {s['model']} ({s['params'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
+        f"trained GPT {s['model']} ({s['params'] / 1e6:.2f}M parameters) for {steps} on "
         f"{s['world_size']} rank(s), {s['tokens_per_step']:,} tokens per step",
         f"loss {s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}; held-out {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}",
         f"{s['tokens_per_s']:,.0f} tokens/s; median step {t['wall']:.3f}s: {split}",
@@ -405,4 +441,6 @@ def _report(s: dict, out_dir: str) -> str:
         f"{peaks}",
         f"summary: {os.path.join(out_dir, 'summary.json')}",
         f"loss curve: {os.path.join(out_dir, 'loss.png')}",
+        *([f"checkpoint: {s['checkpoints'][-1]} (offload train --resume it; offload export it --out FILE.safetensors)"]
+          if s["checkpoints"] else []),
     ])

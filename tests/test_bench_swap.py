@@ -390,3 +390,13 @@ def test_deepspeed_baseline_is_skipped_with_the_reason_when_it_cannot_run(tmp_pa
     out, err = capsys.readouterr()
     assert json.loads(out)["baseline"] in ("fio", "dd")
     assert "DeepSpeed's aio is unavailable (import deepspeed: " in err and "its baseline is skipped" in err
+
+
+def test_sizes_read_as_every_other_command_reads_them():
+    """K/M/G/T and KiB..TiB binary, KB..TB decimal, as estimate, plan and export
+    read them (bench swap read 1MB as 1 MiB, and refused T)."""
+    from offload.cli import build_parser
+
+    for given, size in [("1T", 1 << 40), ("1GiB", 1 << 30), ("1MB", 10**6), ("3M", 3 << 20)]:
+        assert build_parser().parse_args(["bench", "swap", "--path", "/tmp", "--size", given]).size == size, given
+    assert build_parser().parse_args(["bench", "swap", "--path", "/tmp", "--block-size", "4096"]).block_size == 4096

@@ -275,7 +275,13 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate"], "one of the arguments --params --model-config is required"),
     (["estimate", "--params", "lots"], "is not a count"),
     (["estimate", "--params", "1B", "--gpu-mem", "many"], "is not a size"),
-    (["estimate", "--params", "1B", "--gpu-mem", "80"], "'80' would be 80 bytes; give the unit, e.g. 80GiB"),
+    (["estimate", "--params", "1B", "--gpu-mem", "80"], "'80' would be 80 bytes; give the unit, e.g. 80MiB or 80GiB"),
+    # one reading of sizes and counts in every command (bench swap's once read 1MB as 1 MiB and refused T)
+    (["estimate", "--params", "7"], "'7' would be 7 parameters; give the unit, e.g. 7M or 7B"),
+    (["bench", "swap", "--path", "/tmp", "--size", "256"], "'256' would be 256 bytes"),
+    (["bench", "swap", "--path", "/tmp", "--block-size", "8MB"], "'8MB' is 8,000,000 bytes, not a multiple of 4096"),
+    (["plan", "--params", "1B", "--bench-size", "5"], "'5' would be 5 bytes"),
+    (["export", "/nonexistent", "--out", "x.safetensors", "--max-shard-size", "5"], "'5' would be 5 bytes"),
     (["estimate", "--params", "1B", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
     (["estimate", "--model-config", "huge"], "'huge' is not a bundled size (tiny, small, 5M, 25M, 85M), nor a Hugging"),
     (["estimate", "--model-config", "meta-llama/Llama-2-7b-hf"], "and a Hugging Face Hub id is not downloaded: fetch "

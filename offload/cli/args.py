@@ -91,10 +91,21 @@ def byte_size(text: str) -> int:
 
 
 def memory_size(text: str) -> int:
-    """A machine's memory or disk, as a byte size; a bare 80 (bytes) is surely a missing unit."""
-    value = byte_size(text)
-    if text.strip().replace(".", "", 1).isdigit() and value < 1 << 20:
-        raise argparse.ArgumentTypeError(f"{text!r} would be {value} bytes; give the unit, e.g. {text.strip()}GiB")
+    """Memory, disk space, or data to move, as a byte size; a bare 80 (bytes)
+    is surely a missing unit."""
+    return _unit_given(text, byte_size(text), 1 << 20, "GiB")
+
+
+def parameter_count(text: str) -> int:
+    """A model's parameters, as a count; a bare 7 is surely a missing suffix."""
+    return _unit_given(text, count(text), 1000, "B")
+
+
+def _unit_given(text: str, value: int, floor: int, unit: str) -> int:
+    if text.strip().replace(".", "", 1).isdigit() and value < floor:
+        n = text.strip()
+        raise argparse.ArgumentTypeError(f"{text!r} would be {value} {'bytes' if unit == 'GiB' else 'parameters'}; "
+                                         f"give the unit, e.g. {n}{'MiB' if unit == 'GiB' else 'M'} or {n}{unit}")
     return value
 
 

@@ -25,7 +25,7 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import count, positive_int
+from offload.cli.args import parameter_count, positive_int
 from offload.errors import UsageError
 from offload.optim.adam import adam_step, available_cores
 from offload.optim.hyper import AdamHyper
@@ -52,7 +52,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--params", type=count, default=64_000_000, help="parameters per step (e.g. 64M; default 64M)")
+    p.add_argument("--params", type=parameter_count, default=64_000_000, help="parameters per step (e.g. 64M; default 64M)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads for every contender (default: available cores)")
     p.add_argument("--rounds", type=positive_int, default=7, help="timed rounds after one warm-up (default 7)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

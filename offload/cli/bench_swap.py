@@ -57,7 +57,7 @@ import psutil
 import torch
 
 from offload import _native
-from offload.cli.args import positive_int
+from offload.cli.args import byte_size, memory_size, positive_int
 from offload.cli.progress import Progress
 from offload.destinations import unwritable
 from offload.errors import StorageError, UsageError
@@ -80,8 +80,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     p = benchmarks.add_parser("swap", help="swap throughput of a disk, against fio/dd, with an aio config to paste",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True, help="directory on the disk to measure (a private run directory is made in it)")
-    p.add_argument("--size", type=_binary, default=None,
-                   help="bytes to write and read (e.g. 1G = 1 GiB; default 1G, 256M per point with --sweep); "
+    p.add_argument("--size", type=memory_size, default=None,
+                   help="bytes to write and read (e.g. 1G or 1GiB, binary; 1GB, decimal; default 1G, 256M per point with --sweep); "
                         "rounded up to whole files of whole blocks")
     p.add_argument("--block-size", type=_block, default=8 * MiB, help="aio block size (default 8M)")
     p.add_argument("--queue-depth", type=positive_int, default=32, help="requests in flight (default 32)")
@@ -98,24 +98,10 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 
 def _block(text: str) -> int:
-    value = _binary(text)
+    value = byte_size(text)
     if value % 4096:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a multiple of 4096 bytes")
-    return value
-
-
-def _binary(text: str) -> int:
-    """Sizes in binary units: 512K, 8M, 1G (K = 1024)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = units.get(t[-1:], 1)
-    number = t[:-1] if t[-1:] in units else t
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 4096, 1M or 8M") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r} is {value:,} bytes, not a multiple of 4096; binary units "
+                                         "make one: 8M or 8MiB (8MB is decimal)")
     return value
 
 

@@ -18,7 +18,7 @@ import json
 import os
 
 from offload import Config
-from offload.cli.args import count, gpt_config, memory_size, positive_int
+from offload.cli.args import count, gpt_config, memory_size, parameter_count, positive_int
 from offload.errors import UsageError
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 from offload.models.gpt import SIZES, size_name
@@ -50,7 +50,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--params", type=count, help="parameter count, e.g. 13B")
+    model.add_argument("--params", type=parameter_count, help="parameter count, e.g. 13B")
     model.add_argument("--model-config", help="a Hugging Face model's config.json or its directory (exact shapes; "
                        "needs transformers), a bundled GPT's model-config JSON (n_layer, n_head, n_embd, block_size, "
                        "vocab_size), or a bundled size name")

@@ -24,7 +24,7 @@ import torch
 
 from offload import Config
 from offload.cli import bench_swap
-from offload.cli.args import byte_size, output_file, positive_int
+from offload.cli.args import memory_size, output_file, positive_int
 from offload.cli.estimate import add_model_arguments, is_hf_config, model_shape
 from offload.destinations import unwritable
 from offload.errors import UsageError
@@ -63,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     p.add_argument("--nvme-path", default=None, help="directory on the NVMe disk to consider (and measure)")
     p.add_argument("--gpus", type=positive_int, default=None, help="ranks on this node (default: the GPUs present, else 1)")
-    p.add_argument("--bench-size", type=byte_size, default=256 << 20, help="bytes for the swap measurement (default 256MiB)")
+    p.add_argument("--bench-size", type=memory_size, default=256 << 20, help="bytes for the swap measurement (default 256MiB)")
     p.add_argument("--out", type=output_file, default="offload_config.json", help="where to write the config (default offload_config.json)")
     p.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32",
                    help="Adam moments' dtype off the accelerator: bfloat16 stores 8 bytes per parameter instead of "

@@ -396,6 +396,12 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_uninterrupted_runs_steps(tm
     assert (second["eval_loss_start"], second["eval_loss_end"]) == (first["eval_loss_start"], first["eval_loss_end"])
     a, b = _exported(whole, tmp_path / "a.safetensors"), _exported(resumed, tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "in place of" not in capsys.readouterr().out
+    _exported(resumed, tmp_path / "a.safetensors")
+    assert f"{tmp_path / 'a.safetensors'} (in place of the file that was there)" in capsys.readouterr().out
+    for _ in range(2):
+        assert main(["export", str(resumed), "--hf", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.count("(in place of the model that was there)") == 1
 
 
 @native

@@ -19,7 +19,7 @@ import time
 from offload import checkpoint
 from offload.cli.args import memory_size, output_directory, output_file
 from offload.engine import DTYPES
-from offload.pretrained import DEFAULT_SHARD_BYTES
+from offload.pretrained import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -40,14 +40,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.hf:
+        earlier = [name for name in (WEIGHTS, INDEX) if os.path.isfile(os.path.join(args.hf, name))]
         manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, DTYPES[args.dtype], args.tag,
                                                        args.max_shard_size)
         size = sum(os.path.getsize(os.path.join(args.hf, f)) for f in files)
-        wrote = f"{args.hf}: {', '.join(files)};"
+        wrote = f"{args.hf}: {', '.join(files)}{' (in place of the model that was there)' if earlier else ''};"
     else:
+        earlier = os.path.isfile(args.out)
         manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
         size = os.path.getsize(args.out)
-        wrote = f"{args.out}:"
+        wrote = f"{args.out}{' (in place of the file that was there)' if earlier else ''}:"
     ranks = f"{manifest.world_size} rank{'s' * (manifest.world_size != 1)}"
     print(f"wrote {wrote} {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
           f"(step {manifest.training.global_steps}, {ranks}) in {time.perf_counter() - start:.1f} s")

@@ -248,6 +248,36 @@ def test_when_nothing_fits_plan_names_what_is_short(monkeypatch, capsys):
     needed = re.search(r"needs ([\d.]+) GB of RAM and ([\d.]+) GB on disk", printed)
     assert float(needed[1]) < 0.8 * 64 and float(needed[2]) > 0.9 * 100, printed
     assert "against 64.0 GB of RAM available and 100.0 GB free on disk" in printed
+    assert "It fits as stage 3, optimizer nvme, weights nvme with the compact optimizer state" in printed
+
+
+def test_when_only_the_compact_state_fits_plan_says_so_and_without_a_disk_asks_for_one(monkeypatch, capsys):
+    """5B parameters: 100 GB of fp32 state on 84 GB of disk, 40 GB compact;
+    without --nvme-path, nothing to put it on (the estimate needs no path)."""
+    monkeypatch.setattr(plan, "measure_machine", lambda path, *_: plan.Machine(
+        1, None, 24 * 10**9, None if path is None else 84 * 10**9, 1.0, 1.0))
+    assert main(["plan", "--params", "5B", "--nvme-path", "/tmp"]) == 1
+    assert ("It fits as stage 3, optimizer nvme, weights nvme with the compact optimizer state (not bitwise AdamW): "
+            "rerun with --state-dtype int8 --master-dtype bfloat16.") in capsys.readouterr().out
+    assert main(["plan", "--params", "5B"]) == 1
+    printed = capsys.readouterr().out
+    assert "no disk: pass --nvme-path DIR to consider one" in printed
+    # fp32 on the CPU: 4 + 4 + 12 bytes a parameter, 100 GB / 90%; compact (bf16 compute): 2 + 2 + 2 + 2, 40 GB / 90%
+    assert "A disk with 111 GB free (44 GB with --state-dtype int8 --master-dtype bfloat16) would hold it; pass it as " \
+           "--nvme-path" in printed
+
+
+def test_a_bf16_master_planned_without_a_gpu_computes_in_bf16_and_says_so(tmp_path, monkeypatch, capsys):
+    """A bf16 master is the bf16 compute weights, so the config enables bf16 on
+    the CPU too (it was refused: the plan enabled bf16 on GPUs only)."""
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, 24 * 10**9, None))
+    out = tmp_path / "p.json"
+    assert main(["plan", "--params", "1B", "--master-dtype", "bfloat16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    raw = json.loads(out.read_text())
+    assert raw["bf16"] == {"enabled": True} and offload.Config.load(raw).zero_optimization.offload_optimizer.master_dtype == "bfloat16"
+    assert "bf16 compute, as a bf16 master needs" in printed
+    assert "the config's micro-batch is 1 sequence per rank" in printed
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")

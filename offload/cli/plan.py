@@ -127,13 +127,14 @@ def fits(e: Estimate, machine: Machine) -> bool:
 def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
            formats: dict[str, str] | None = None) -> tuple[dict, Estimate] | None:
     """The first setup of LADDER (with the largest sub-group) that fits, as (config, estimate)."""
-    bf16 = machine.gpu_mem is not None
+    bf16 = computes_in_bf16(machine, formats)
     owned = max(1, math.ceil(shape.params / machine.gpus))
     for step in LADDER:
         if "nvme" in step[1:3] and machine.nvme_free is None:
             continue
         # The NVMe pool holds buffer_count sub-groups: for a small shard, an eighth of it keeps the pool small.
-        sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {math.ceil(owned / 8)}, reverse=True)
+        sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {min(math.ceil(owned / 8), SUB_GROUPS[0])},
+                            reverse=True)
         shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
         for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
             raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, formats)
@@ -144,6 +145,14 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
     return None
 
 
+def computes_in_bf16(machine: Machine, formats: dict[str, str] | None) -> bool:
+    """On a GPU; on the CPU only for a bf16 master, which is the bf16 compute weights."""
+    return machine.gpu_mem is not None or (formats or {}).get("master_dtype") == "bfloat16"
+
+
+COMPACT = {"state_dtype": "int8", "master_dtype": "bfloat16"}  # 4 bytes a parameter of optimizer state, not 12
+
+
 def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
     machine = measure_machine(args.nvme_path, args.gpus, args.bench_size)
@@ -151,22 +160,13 @@ def run(args: argparse.Namespace) -> int:
     formats = {"state_dtype": args.state_dtype, "master_dtype": args.master_dtype}
     chosen = choose(shape, machine, nvme_path, formats)
     if chosen is None:
-        need = estimate(shape, Setup(3, "nvme", "nvme"),
-                        Config.load(config_for(LADDER[-1], SUB_GROUPS[-1], 0, nvme_path, False, formats)),
-                        machine.gpus, host_accelerator=machine.gpu_mem is None)
-        ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
-        disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else
-                "no disk: pass --nvme-path DIR to consider one")
-        print(f"offload plan: no setup fits {human_count(shape.params)} parameters here: even with everything on NVMe it "
-              f"needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
-              f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most {HEADROOM['host']:.0%} "
-              f"of the RAM and {HEADROOM['nvme']:.0%} of the disk)")
+        print(nothing_fits(shape, machine, nvme_path, formats))
         return 1
     raw, e = chosen
     with open(args.out, "w") as f:
         json.dump(raw, f, indent=2)
         f.write("\n")
-    why = explain(shape, machine, e)
+    why = explain(shape, machine, e, raw)
     if args.json:
         print(json.dumps({"config": raw, "config_path": args.out, "why": why, "machine": machine.__dict__,
                           "estimate": e.to_json()}, indent=1))
@@ -178,7 +178,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
+def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, formats: dict[str, str]) -> str:
+    """What the most offloaded setup needs against what is here, and what would make it fit."""
+    need, compact_need = (_most_offloaded(shape, machine, nvme_path, f) for f in (formats, COMPACT))
+    ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
+    disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else
+            "no disk: pass --nvme-path DIR to consider one")
+    lines = [f"offload plan: no setup fits {human_count(shape.params)} parameters here: even with everything on NVMe "
+             f"it needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
+             f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most "
+             f"{HEADROOM['host']:.0%} of the RAM and {HEADROOM['nvme']:.0%} of the disk)."]
+    compact = choose(shape, machine, nvme_path, COMPACT) if formats != COMPACT else None
+    if compact is not None:
+        lines.append(f"It fits as {compact[1].setup.name} with the compact optimizer state (not bitwise AdamW): "
+                     "rerun with --state-dtype int8 --master-dtype bfloat16.")
+    else:
+        room = f"{need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB free" + (
+            f" ({compact_need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB with --state-dtype int8 --master-dtype "
+            "bfloat16)" if formats != COMPACT else "")
+        lines.append(f"A disk with {room} would hold it; pass it as --nvme-path. Or split the model over more nodes "
+                     "(offload estimate --nodes N --gpus M says what each node needs).")
+    return "\n".join(lines)
+
+
+def _most_offloaded(shape: ModelShape, machine: Machine, nvme_path: str | None, formats: dict[str, str]) -> Estimate:
+    placeholder = nvme_path or os.path.join(tempfile.gettempdir(), "nvme")  # estimated, never written
+    raw = config_for(LADDER[-1], SUB_GROUPS[-1], 0, placeholder, computes_in_bf16(machine, formats), formats)
+    return estimate(shape, Setup(3, "nvme", "nvme"), Config.load(raw), machine.gpus,
+                    host_accelerator=machine.gpu_mem is None)
+
+
+def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list[str]:
     total = e.bytes_per_param * shape.params
     accelerator = f"{machine.gpus} GPU(s) of {machine.gpu_mem / 1e9:.0f} GB" if machine.gpu_mem else "no GPU (the CPU computes)"
     disk = ""
@@ -196,4 +226,9 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate) -> list[str]:
         seconds = e.disk_read_per_step / (machine.read_gbps * 1e9) + e.disk_written_per_step / (machine.write_gbps * 1e9)
         lines.append(f"each step moves {e.disk_read_per_step / 1e9:.1f} GB from and {e.disk_written_per_step / 1e9:.1f} GB "
                      f"to the disk: at least {seconds:.1f} s per step at the measured speed (offload estimate has the rest).")
+    if machine.gpu_mem is None and raw["bf16"]["enabled"]:
+        lines.append("bf16 compute, as a bf16 master needs: a CPU without bf16 instructions emulates its matmuls, "
+                     "slowly.")
+    lines.append("the config's micro-batch is 1 sequence per rank (train_micro_batch_size_per_gpu): the figures "
+                 "above hold no activations, so raise it as far as the memory left on the accelerator allows.")
     return lines

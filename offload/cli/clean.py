@@ -23,16 +23,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.dry_run:
-        found, left = run_dirs.stale(args.nvme_path), []
+        (found, kept), left = run_dirs.survey(args.nvme_path), []
     else:
-        found, left = run_dirs.remove_stale(args.nvme_path)
+        found, left, kept = run_dirs.remove_stale(args.nvme_path)
     verb = "would remove" if args.dry_run else "removed"
     for s in found:
         print(f"{verb} {s.path} ({s.nbytes / 2**20:,.1f} MiB; {s.why})")
+    for s in kept:
+        print(f"kept {s.path} ({s.nbytes / 2**20:,.1f} MiB; {s.why})")
     for s, error in left:
         print(f"could not remove {s.path} ({s.why}): {error}", file=sys.stderr)
     total = sum(s.nbytes for s in found)
     print(f"offload clean: {verb} {len(found)} run director{'y' if len(found) == 1 else 'ies'} "
           f"({total / 2**20:,.1f} MiB) in {os.path.abspath(args.nvme_path)}"
-          + (f"; {len(left)} could not be removed" if left else ""))
+          + (f"; {len(left)} could not be removed" if left else "")
+          + (f"; kept {len(kept)} whose owner may be alive" if kept else ""))
     return 1 if left else 0

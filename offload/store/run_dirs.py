@@ -35,10 +35,10 @@ OWNERLESS_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
-class Stale:
+class RunDir:
     path: str
     nbytes: int
-    why: str  # whose it was
+    why: str  # whose it was, or why it is kept
 
 
 def _me() -> dict:
@@ -68,8 +68,9 @@ def release(path: str) -> None:
             pass
 
 
-def _owner_gone(path: str) -> str | None:
-    """Why the directory is stale, or None while its owner may be alive."""
+def _verdict(path: str) -> tuple[bool, str] | None:
+    """(stale, why): whether the directory's owner is gone, and who it was or
+    why it may still be alive; None if the directory went meanwhile."""
     try:
         with open(os.path.join(path, OWNER)) as f:
             owner = json.load(f)
@@ -78,18 +79,21 @@ def _owner_gone(path: str) -> str | None:
         try:
             age = time.time() - os.stat(path).st_mtime
         except FileNotFoundError:
-            return None  # removed meanwhile
-        return f"no owner recorded, {age:.0f} s old" if age > OWNERLESS_GRACE_S else None
-    except OSError:
-        return None  # an owner file this process may not read (another user's): nothing says it is gone
+            return None
+        if age > OWNERLESS_GRACE_S:
+            return True, f"no owner recorded, {age:.0f} s old"
+        return False, (f"no owner recorded yet, {age:.0f} s old: being made, or left by a kill under "
+                       f"{OWNERLESS_GRACE_S:.0f} s ago (run offload clean again after that)")
+    except OSError as exc:
+        return False, f"its owner file cannot be read ({exc.strerror}): another user's, maybe"
     if host != socket.gethostname():
-        return None  # another machine's: its processes cannot be seen from here
+        return False, f"made on host {host}, whose processes cannot be seen from here"
     try:
         if abs(psutil.Process(pid).create_time() - started) < 1.0:
-            return None
+            return False, f"process {pid} is alive"
     except psutil.NoSuchProcess:
         pass
-    return f"process {pid}, gone"
+    return True, f"process {pid}, gone"
 
 
 def _size(path: str) -> int:
@@ -103,22 +107,29 @@ def _size(path: str) -> int:
     return total
 
 
-def stale(nvme_path: str) -> list[Stale]:
-    found = []
+def survey(nvme_path: str) -> tuple[list[RunDir], list[RunDir]]:
+    """The run directories in ``nvme_path``: (stale, kept)."""
+    found: tuple[list[RunDir], list[RunDir]] = ([], [])
     for name in sorted(os.listdir(nvme_path)):
         path = os.path.join(nvme_path, name)
         if name.startswith(PREFIX) and os.path.isdir(path) and not os.path.islink(path):
-            why = _owner_gone(path)
-            if why is not None:
-                found.append(Stale(path, _size(path), why))
+            verdict = _verdict(path)
+            if verdict is not None:
+                found[0 if verdict[0] else 1].append(RunDir(path, _size(path), verdict[1]))
     return found
 
 
-def remove_stale(nvme_path: str) -> tuple[list[Stale], list[tuple[Stale, str]]]:
-    """Remove the stale run directories in ``nvme_path``: those removed, and
-    those left (in part or whole) with the error that stopped the removal."""
+def stale(nvme_path: str) -> list[RunDir]:
+    return survey(nvme_path)[0]
+
+
+def remove_stale(nvme_path: str) -> tuple[list[RunDir], list[tuple[RunDir, str]], list[RunDir]]:
+    """Remove the stale run directories in ``nvme_path``: those removed, those
+    left (in part or whole) with the error that stopped the removal, and those
+    kept, not stale."""
     removed, left = [], []
-    for s in stale(nvme_path):
+    found, kept = survey(nvme_path)
+    for s in found:
         try:
             shutil.rmtree(s.path)
         except FileNotFoundError:
@@ -127,7 +138,7 @@ def remove_stale(nvme_path: str) -> tuple[list[Stale], list[tuple[Stale, str]]]:
             left.append((s, f"{e.filename}: {e.strerror}"))
             continue
         removed.append(s)
-    return removed, left
+    return removed, left, kept
 
 
 _warned: set[str] = set()

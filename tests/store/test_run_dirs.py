@@ -50,6 +50,9 @@ def test_clean_removes_what_a_killed_process_left_and_never_a_live_ones(tmp_path
         out = capsys.readouterr().out
         assert f"removed {dead_dir} (1.1 MiB; process {dead.pid}, gone)" in out
         assert "removed 1 run directory" in out
+        # what it leaves is said, with why: silence read as "nothing there"
+        assert f"kept {alive_dir} (" in out and f"; process {alive.pid} is alive)" in out
+        assert f"kept {store.run_dir} (" in out and "; kept 2 whose owner may be alive" in out
         assert not os.path.exists(dead_dir) and os.path.isdir(alive_dir) and os.path.isdir(store.run_dir)
         store.close()
     finally:
@@ -66,7 +69,9 @@ def test_a_directory_without_an_owner_is_stale_only_once_it_is_old(tmp_path):
     (old / "owner.json").write_text("{half a reco")  # unreadable: as good as none
     past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
     os.utime(old, (past, past))
-    assert [s.path for s in run_dirs.stale(str(tmp_path))] == [str(old)]
+    found, kept = run_dirs.survey(str(tmp_path))
+    assert [s.path for s in found] == [str(old)] and [s.path for s in kept] == [str(fresh)]
+    assert "no owner recorded yet" in kept[0].why and "run offload clean again after that" in kept[0].why
 
 
 def test_another_hosts_directory_is_never_stale(tmp_path):
@@ -75,7 +80,8 @@ def test_another_hosts_directory_is_never_stale(tmp_path):
     (other / "owner.json").write_text(json.dumps({"host": "not-" + os.uname().nodename, "pid": 1, "started": 0}))
     past = time.time() - 2 * run_dirs.OWNERLESS_GRACE_S
     os.utime(other, (past, past))
-    assert run_dirs.stale(str(tmp_path)) == []
+    found, kept = run_dirs.survey(str(tmp_path))
+    assert found == [] and kept[0].why == f"made on host not-{os.uname().nodename}, whose processes cannot be seen from here"
 
 
 def test_an_owner_file_this_process_may_not_read_is_not_stale(tmp_path, monkeypatch):
@@ -91,7 +97,8 @@ def test_an_owner_file_this_process_may_not_read_is_not_stale(tmp_path, monkeypa
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(run_dirs, "open", refuse, raising=False)
-    assert run_dirs.stale(str(tmp_path)) == []
+    found, kept = run_dirs.survey(str(tmp_path))
+    assert found == [] and kept[0].why == "its owner file cannot be read (Permission denied): another user's, maybe"
 
 
 def test_clean_says_what_it_could_not_remove_and_fails(tmp_path, monkeypatch, capsys):

@@ -110,11 +110,24 @@ class ModelShape:
         parameter's padded part, where the sizes are known (and every
         parameter trains: the engine takes the trained ones first, which
         sizes alone do not tell)."""
-        if not self.sizes or self.trainable is not None:
+        if not self._exact():
             return min(math.ceil(self.params / gpus), max_in_cpu)
-        unit = gpus * ALIGN
-        parts = [-(-n // unit) * unit // gpus for n in self.sizes]
+        parts = self._parts(gpus)
         return sum(parts[: parts_in_cpu(parts, max_in_cpu)])
+
+    def weight_part(self, gpus: int) -> int:
+        """Per rank, the stage 3 weight partition's elements: padded as the
+        engine pads each parameter's part where the sizes are known."""
+        return sum(self._parts(gpus)) if self._exact() else math.ceil(self.params / gpus)
+
+    def _exact(self) -> bool:
+        """The sizes are the model's (not ``from_count``'s assumed layers, which
+        do not add up to the count), and every parameter trains."""
+        return bool(self.sizes) and sum(self.sizes) == self.params and self.trainable is None
+
+    def _parts(self, gpus: int) -> list[int]:
+        unit = gpus * ALIGN
+        return [-(-n // unit) * unit // gpus for n in self.sizes]
 
     def persistent(self, threshold: int) -> int:
         """Elements of the parameters stage 3 keeps gathered (at most ``threshold`` elements each)."""
@@ -262,7 +275,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     else:
         if setup.weights == "nvme":
             in_cpu = shape.elements_in_cpu(zero.offload_param.max_in_cpu, gpus)
-            weights_on_disk = n - in_cpu
+            weights_on_disk = shape.weight_part(gpus) - in_cpu
             if in_cpu:
                 tiers["host"]["weights (partition)"] = d * in_cpu
             if weights_on_disk:

@@ -17,7 +17,7 @@ import os
 import time
 
 from offload import checkpoint
-from offload.cli.args import memory_size, output_directory, output_file
+from offload.cli.args import byte_size, output_directory, output_file
 from offload.engine import DTYPES
 from offload.pretrained import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS
 
@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     where.add_argument("--out", type=output_file, help="the safetensors file to write")
     where.add_argument("--hf", metavar="DIR", type=output_directory,
                        help="the model directory to write, for from_pretrained")
-    p.add_argument("--max-shard-size", type=memory_size, default=DEFAULT_SHARD_BYTES,
+    p.add_argument("--max-shard-size", type=byte_size, default=DEFAULT_SHARD_BYTES,
                    help="with --hf: the largest shard, e.g. 5GB (default 5GB, as transformers)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
     p.set_defaults(run=run)

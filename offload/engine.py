@@ -67,7 +67,7 @@ from offload.zero.grads import GradientReducer
 from offload.param_groups import Grouping, owned_runs, resolve
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
-from offload.zero.materialize import is_meta, materialize, model_init
+from offload.zero.materialize import descendant_writer, is_meta, materialize, model_init
 from offload.zero.optimizer import make_optimizer
 from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
@@ -261,7 +261,7 @@ class Engine:
                 self.weights.add(param)
 
         if is_meta(model):
-            materialize(model, init_fn, ready)
+            materialize(model, init_fn, ready, descendant_writer(model))
         else:
             for param in model.parameters():
                 ready(param)

@@ -235,3 +235,52 @@ def test_a_meta_built_model_gets_the_initialisation_hugging_face_gives_it(stage)
             assert abs(got.std() / want.std() - 1) < 0.1, (key, got.std().item(), want.std().item())
         else:
             assert torch.equal(got, want), key
+
+
+def _switch():
+    return transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=2,
+        encoder_sparse_step=1, decoder_sparse_step=1))
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+                                                                n_positions=16))
+
+
+@pytest.mark.parametrize("build", [_gpt2, _switch], ids=["gpt2", "switch"])
+def test_stage_3_hands_on_a_weight_only_after_every_initialiser_that_writes_it(build):
+    """GPT-2's blocks write their children's projections, SwitchTransformers'
+    sparse MLP its experts' and router's (grandchildren): at stage 3 each
+    parameter is partitioned as soon as it is complete, so it must wait for
+    them. The same seed gives stage 3 what stage 2, which partitions nothing
+    while initialising, gets; a weight handed on too early was written after
+    it was partitioned (an error)."""
+    states = []
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = build()
+        zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+        with offload.initialize(model, {"zero_optimization": zero}) as engine:
+            states.append(engine.state_dict())
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_a_weight_initialised_by_its_own_module_alone_is_handed_on_at_once():
+    """No initialiser writes below a module here: each Linear's weights go on
+    as soon as it is visited, so no more than one layer exists at a time."""
+    from offload.zero.materialize import descendant_writer, materialize
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
+    live, peak = set(), []
+
+    def init(module):
+        live.update(module.parameters(recurse=False))
+        peak.append(len(live))
+        module.reset_parameters() if hasattr(module, "reset_parameters") else None
+
+    materialize(model, init, live.discard, descendant_writer(model))
+    assert max(peak) == 2 and not live

@@ -4,12 +4,13 @@
 Hugging Face initialises a model, so a block's initialiser that writes its
 children's weights (GPT-2 scales its residual projections by depth) has the
 last word. For each module it allocates the module's own meta parameters and
-buffers on the CPU and runs ``init_fn(module)``, which must initialise only
-those or its children's (``reset_parameters`` is the default). A parameter is
-handed to ``on_ready`` once every module that holds it, and every parent of
-those, has been visited (a tied weight after its last holder's parent), so the
-caller can partition and free it at once: the whole model never exists at
-once, only one module's children's parameters.
+buffers on the CPU and runs ``init_fn(module)``, which initialises those
+(``reset_parameters`` is the default). A parameter is handed to ``on_ready``
+once every module that holds it has been visited (a tied weight after its
+last holder), so the caller can partition and free it at once: the whole
+model never exists at once. An initialiser that also writes descendants'
+parameters (Hugging Face's ``_init_weights``) is tried on the meta model
+first (``writes``), and what it writes waits for it.
 
 Note [a model partly on meta]
 Only meta tensors get values; those that hold values keep them (a pretrained
@@ -95,51 +96,75 @@ def model_init(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | No
     return init
 
 
+def descendant_writer(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """What of ``model_init``'s initialiser may write a module's descendants:
+    the model's ``_init_weights`` (GPT-2's blocks write their children's
+    projections, SwitchTransformers' sparse MLP its experts'); None where
+    ``model_init`` is."""
+    if model_init(model) is None:
+        return None
+    return (model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model)._init_weights
+
+
 def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
 
 
-def _children_first(model: torch.nn.Module) -> tuple[list[torch.nn.Module], dict[int, int]]:
-    """Each module once, after its children; and by id, where in that order
-    the last of a module's parents comes (the module's own place for the root)."""
+def _children_first(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each module once (a shared one under its first parent), after its children."""
     order: list[torch.nn.Module] = []
-    last_parent: dict[int, int] = {}
-    parents: dict[int, list[torch.nn.Module]] = {}
+    seen: set[int] = set()
 
     def visit(module: torch.nn.Module) -> None:
+        seen.add(id(module))
         for child in module.children():
-            parents.setdefault(id(child), []).append(module)
-            if len(parents[id(child)]) == 1:  # a shared module is visited under its first parent
+            if id(child) not in seen:
                 visit(child)
         order.append(module)
 
     visit(model)
-    at = {id(m): i for i, m in enumerate(order)}
-    for i, module in enumerate(order):
-        last_parent[id(module)] = max((at[id(p)] for p in parents.get(id(module), ())), default=i)
-    return order, last_parent
+    return order
+
+
+def _written(module: torch.nn.Module, writes: Callable[[torch.nn.Module], None]) -> list[torch.nn.Parameter]:
+    """The parameters under ``module``, all on meta, that ``writes(module)``
+    writes in place (their version counters move; meta tensors hold no values
+    to change, and draw nothing from the random generators). One it fails on
+    counts as writing them all."""
+    below = list(module.parameters())
+    before = [p._version for p in below]
+    try:
+        with torch.no_grad():
+            writes(module)
+    except Exception:  # noqa: BLE001 - only what the real initialisation may touch is asked here
+        return below
+    return [p for p, v in zip(below, before) if p._version != v]
 
 
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,
-                on_ready: Callable[[torch.nn.Parameter], None] | None = None) -> None:
-    """Note [a model partly on meta] for what holds values already."""
+                on_ready: Callable[[torch.nn.Parameter], None] | None = None,
+                writes: Callable[[torch.nn.Module], None] | None = None) -> None:
+    """Note [a model partly on meta] for what holds values already. ``writes``:
+    the part of ``init_fn`` that may write a module's descendants' parameters
+    (Hugging Face's ``_init_weights``: ``descendant_writer``), tried on the
+    meta model first, so each parameter goes to ``on_ready`` after the last
+    module that writes it."""
     init_fn = init_fn or default_init
-    order, last_parent = _children_first(model)
-    holders: dict[torch.nn.Parameter, int] = {}
-    for module in order:
-        for p in set(module.parameters(recurse=False)):
-            holders[p] = holders.get(p, 0) + 1
-    released_at: dict[int, list[torch.nn.Module]] = {}
-    for module in order:
-        released_at.setdefault(last_parent[id(module)], []).append(module)
+    order = _children_first(model)
     all_meta_below = {id(m) for m in order if all(t.is_meta for t in [*m.parameters(), *m.buffers()])}
+    complete: dict[torch.nn.Parameter, int] = {}  # where in order each parameter has its final values
+    for i, module in enumerate(order):
+        written = _written(module, writes) if writes is not None and id(module) in all_meta_below else []
+        for p in [*module.parameters(recurse=False), *written]:
+            complete[p] = i
+    ready_at: dict[int, list[torch.nn.Parameter]] = {}
+    for p, i in complete.items():
+        ready_at.setdefault(i, []).append(p)
     for i, module in enumerate(order):
         _initialise(module, init_fn, id(module) in all_meta_below)
-        for done in released_at.get(i, ()):
-            for p in set(done.parameters(recurse=False)):
-                holders[p] -= 1
-                if holders[p] == 0 and on_ready is not None:
-                    on_ready(p)
+        if on_ready is not None:
+            for p in ready_at.get(i, ()):
+                on_ready(p)
 
 
 def _initialise(module: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None], all_meta_below: bool) -> None:

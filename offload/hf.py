@@ -172,9 +172,12 @@ def _idle_bucket_sizes(data: dict) -> set[str]:
     the config is parsed ("auto" is no value it accepts)."""
     zero = data.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage", ZeroConfig.stage)
+    if stage not in (1, 2, 3) or isinstance(stage, bool):
+        return set()  # the config's own check names the stage
     weights = zero.get("offload_param")
     device = weights.get("device", "none") if isinstance(weights, dict) else "none"
-    return set(idle_bucket_sizes(zero.get("stage", ZeroConfig.stage), device))
+    return set(idle_bucket_sizes(stage, device))
 
 
 def _drop(data: dict, key: str) -> None:

@@ -267,6 +267,13 @@ def test_when_only_the_compact_state_fits_plan_says_so_and_without_a_disk_asks_f
            "--nvme-path" in printed
 
 
+def test_when_the_ram_is_short_plan_says_so_and_not_that_a_disk_would_do(monkeypatch, capsys):
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, 2 * 10**9, 10**13, 1.0, 1.0))
+    assert main(["plan", "--params", "5B", "--nvme-path", "/tmp"]) == 1
+    printed = capsys.readouterr().out
+    assert "RAM is what is short: 7.0 GB available would hold it" in printed and "A disk with" not in printed
+
+
 def test_a_bf16_master_planned_without_a_gpu_computes_in_bf16_and_says_so(tmp_path, monkeypatch, capsys):
     """A bf16 master is the bf16 compute weights, so the config enables bf16 on
     the CPU too (it was refused: the plan enabled bf16 on GPUs only)."""
@@ -308,6 +315,7 @@ def test_a_planned_infinity_config_trains_within_the_memory_it_planned_for(tmp_p
     (["estimate", "--params", "1B", "--gpu-mem", "80"], "'80' would be 80 bytes; give the unit, e.g. 80MiB or 80GiB"),
     # one reading of sizes and counts in every command (bench swap's once read 1MB as 1 MiB and refused T)
     (["estimate", "--params", "7"], "'7' would be 7 parameters; give the unit, e.g. 7M or 7B"),
+    (["estimate", "--params", "7B", "--trainable", "40"], "'40' would be 40 parameters"),
     (["bench", "swap", "--path", "/tmp", "--size", "256"], "'256' would be 256 bytes"),
     (["bench", "swap", "--path", "/tmp", "--block-size", "8MB"], "'8MB' is 8,000,000 bytes, not a multiple of 4096"),
     (["plan", "--params", "1B", "--bench-size", "5"], "'5' would be 5 bytes"),

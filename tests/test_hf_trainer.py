@@ -522,6 +522,11 @@ def test_hugging_faces_stock_config_loads_with_no_word_of_what_it_leaves_at_auto
     two = run.offload_config(2)
     two["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
     assert "stage3_prefetch_bucket_size" not in resolve_config(two, _args(tmp_path), run.tiny_gpt2())["zero_optimization"]
+    for stage in ("auto", "3", None):  # the config's own check names it, not a TypeError on the way
+        bad = run.offload_config(2)
+        bad["zero_optimization"]["stage"] = stage
+        with pytest.raises(ConfigError, match="zero_optimization.stage"):
+            Config.load(resolve_config(bad, _args(tmp_path), run.tiny_gpt2()))
 
 
 def test_the_bf16_sections_old_name_resolves_and_is_checked_as_bf16(tmp_path):

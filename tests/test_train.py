@@ -220,7 +220,7 @@ def _interrupt(argv, tmp_path, signum=signal.SIGINT, reports=1):
     return proc.returncode, lines + rest.splitlines()
 
 
-INTERRUPTED = r"offload train: interrupted after \d+ of 100000 steps; removed its swap files and the empty {}"
+INTERRUPTED = r"offload train: interrupted after step \d+ of 100000; removed its swap files and the empty {}"
 
 
 @native
@@ -392,6 +392,9 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_uninterrupted_runs_steps(tm
     assert f"for steps 4-6 (resumed from {whole / 'global_step3'})" in report
     assert f"checkpoint: {resumed / 'global_step6'}" in report
     first, second = summary_of(tmp_path / "o1"), summary_of(tmp_path / "o2")
+    assert main(["train", "--model", "tiny", "--steps", "6", "--out", str(tmp_path / "o3")]) == 0
+    unsaved = summary_of(tmp_path / "o3")  # saving changes neither the steps nor the disk traffic they are said to make
+    assert unsaved["losses"] == first["losses"] and unsaved["disk_bytes_per_step"] == first["disk_bytes_per_step"]
     assert len(second["losses"]) == 6 and second["losses"] == first["losses"]
     assert (second["eval_loss_start"], second["eval_loss_end"]) == (first["eval_loss_start"], first["eval_loss_end"])
     a, b = _exported(whole, tmp_path / "a.safetensors"), _exported(resumed, tmp_path / "b.safetensors")

@@ -18,7 +18,7 @@ import json
 import os
 
 from offload import Config
-from offload.cli.args import count, gpt_config, memory_size, parameter_count, positive_int
+from offload.cli.args import gpt_config, memory_size, parameter_count, positive_int
 from offload.errors import UsageError
 from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 from offload.models.gpt import SIZES, size_name
@@ -54,7 +54,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--model-config", help="a Hugging Face model's config.json or its directory (exact shapes; "
                        "needs transformers), a bundled GPT's model-config JSON (n_layer, n_head, n_embd, block_size, "
                        "vocab_size), or a bundled size name")
-    p.add_argument("--trainable", type=count, default=None,
+    p.add_argument("--trainable", type=parameter_count, default=None,
                    help="parameters trained, of the model's (a LoRA's adapters, e.g. 40M): the rest are frozen, "
                         "with weights but no gradient or optimizer state (default: all)")
 

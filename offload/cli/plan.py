@@ -192,6 +192,9 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
     if compact is not None:
         lines.append(f"It fits as {compact[1].setup.name} with the compact optimizer state (not bitwise AdamW): "
                      "rerun with --state-dtype int8 --master-dtype bfloat16.")
+    elif ram > HEADROOM["host"] * machine.cpu_mem:
+        lines.append(f"RAM is what is short: {ram / HEADROOM['host'] / 1e9:.1f} GB available would hold it; or split "
+                     "the model over more nodes (offload estimate --nodes N --gpus M says what each node needs).")
     else:
         room = f"{need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB free" + (
             f" ({compact_need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB with --state-dtype int8 --master-dtype "

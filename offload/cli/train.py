@@ -147,6 +147,7 @@ class _Made:
     process_group: bool = False
     bar: Progress | None = None
     checkpoints: list[str] = dataclasses.field(default_factory=list)  # --save's, oldest first: they stay
+    first_step: int = 0  # where a resumed run took up
 
     def remove(self) -> None:
         with contextlib.ExitStack() as stack:  # last in, first out; each runs even if one before it raised
@@ -161,7 +162,8 @@ class _Made:
                 stack.callback(self.engine.close, restore_model=False)
 
     def interrupted(self) -> str:
-        at = f"after {self.bar.done} of {self.bar.total} steps" if self.bar is not None else "before training"
+        at = (f"after step {self.first_step + self.bar.done} of {self.first_step + self.bar.total}"
+              if self.bar is not None else "before training")
         gone = ["its swap files"] if self.swap_dir is not None else []
         gone += [f"the empty {self.out_dirs[0]}"] if self.out_dirs and not os.path.exists(self.out_dirs[0]) else []
         kept = f"; the last checkpoint, {self.checkpoints[-1]}, takes --resume" if self.checkpoints else ""
@@ -290,6 +292,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             engine.load_checkpoint(os.path.dirname(resume.directory), os.path.basename(resume.directory))
         start_step, losses, eval_start = resume.step, list(resume.losses), resume.eval_loss_start
     bar = made.bar = Progress(args.steps - start_step, "train", enabled=rank == 0)
+    made.first_step = start_step
     engine.synchronize()  # the initial state's writes are initialize's, not a step's
     disk_from = engine.disk_traffic()
     for step in range(start_step, args.steps):
@@ -320,6 +323,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
                     f"optim {1e3 * row['optimizer']:.0f}ms{beside} swap {1e3 * row['swap']:.0f}ms | "
                     + " ".join(f"{t} {human_bytes(b)}" for t, b in tiers.items()))
         if step + 1 in saves:  # after the step's figures: a save is no step's work, nor are its reads
+            engine.synchronize()  # the step's own write-backs count as the step's
             before = engine.disk_traffic()
             checkpoints.append(engine.save_checkpoint(args.save, tag(step + 1),
                                                       client_state(model_config, losses, eval_start)))
@@ -348,7 +352,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other", "optimizer_hidden")},
         # This rank's, per step applied, over all steps (each step's write-backs finish during the next).
         "disk_bytes_per_step": {"bytes_read": disk.bytes_read / applied, "bytes_written": disk.bytes_written / applied},
-        "skipped_steps": sum(not r["applied"] for r in rows), "loss_scale": engine.loss_scale,
+        "skipped_steps": engine.skipped_steps, "loss_scale": engine.loss_scale,  # a resumed run's too
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),
         "peak_bytes_per_tier": report.by_tier("peak_bytes"),

@@ -6,9 +6,11 @@ own (``client_state["offload_train"]``): the model's shape, the losses so far
 and the held-out loss it started from. The batches are a function of the
 step, the seed, the sequence length and the micro batch (``ByteBatches``) and
 the learning rate one of the step and ``--steps``, so a run resumed with the
-options it was saved with takes the steps the uninterrupted run takes, bit for
-bit. Other options are taken as given (a longer ``--steps`` extends the
-schedule); a different model is refused.
+options it was saved with takes the steps the run that saved it took after
+the save, bit for bit (the same as a run that never saved, except with
+``delayed_update``: a save applies the update in flight at once, as
+DeepSpeed's does). Other options are taken as given (a longer ``--steps``
+extends the schedule); a different model is refused.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ def _what(func) -> tuple[str, str]:
 def _changes_nothing(name: str, args: tuple, kwargs: dict) -> bool:
     """A conversion that returns the tensor itself (``model.to`` its own device,
     ``model.float()`` of an fp32 model), which reads no values."""
+    if not args:  # the tensor given by keyword: no conversion is called so
+        return False
     tensor, rest = args[0], args[1:]
     if name in _CASTS:
         return not rest and tensor.dtype == _CASTS[name] and kwargs.get("memory_format") in (None, torch.preserve_format)

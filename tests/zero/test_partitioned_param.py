@@ -41,6 +41,7 @@ def test_reading_a_partitioned_parameters_values_is_an_error_naming_it(tmp_path,
         "through a view": lambda: w.T.clone(),
         "a conversion": lambda: w.to(torch.float64),
         "an in-place change": lambda: w.data.mul_(2),
+        "given by keyword": lambda: torch.nn.init.normal_(tensor=w),  # as transformers' initialisation calls it
     }
     for what, read in reads.items():
         with pytest.raises(UsageError, match=r"^blocks\.0\.0\.weight: offload stage 3 keeps it partitioned"):

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_optimizer_work_beside_compute_is_given_apart_from_the_step(tmp_path, ca
 
 def _temporary_directory(tmp_path) -> dict:
     """An environment whose temporary directory is tmp_path/tmp."""
-    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     # torch makes its compile cache there on first import unless told where it is: not ours to remove
     return {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch-cache")}
 
@@ -386,8 +387,10 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_uninterrupted_runs_steps(tm
     assert main(["train", "--model", "tiny", "--steps", "6", "--save-interval", "3", "--save", str(whole),
                  "--out", str(tmp_path / "o1")]) == 0
     assert sorted(os.listdir(whole)) == ["global_step3", "global_step6", "latest"]
-    assert main(["train", "--model", "tiny", "--steps", "6", "--resume", str(whole / "global_step3"),
-                 "--save", str(resumed), "--out", str(tmp_path / "o2")]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same options: nothing to say
+        assert main(["train", "--model", "tiny", "--steps", "6", "--resume", str(whole / "global_step3"),
+                     "--save", str(resumed), "--out", str(tmp_path / "o2")]) == 0
     report = capsys.readouterr().out
     assert f"for steps 4-6 (resumed from {whole / 'global_step3'})" in report
     assert f"checkpoint: {resumed / 'global_step6'}" in report
@@ -415,6 +418,11 @@ def test_save_and_resume_refuse_before_training_what_they_cannot_do(tmp_path, ca
     with offload.initialize(torch.nn.Linear(4, 4), {"zero_optimization": {"stage": 1}}) as engine:
         engine.save_checkpoint(str(foreign))
     (tmp_path / "empty").mkdir()
+    with pytest.warns(UserWarning, match=r"its steps are not those that run would have taken: --steps: the learning "
+                                         r"rate's warm-up and decay follow it \(2 then, 3 now\); --seed: other "
+                                         r"batches \(0 then, 1 now\)$"):
+        assert main(["train", "--model", "tiny", "--steps", "3", "--seed", "1", "--resume", str(saved),
+                     "--out", str(tmp_path / "o3")]) == 0
     for argv, message in [
         (["--steps", "2", "--resume", str(saved)], "the checkpoint is at step 2, so --steps 2 leaves nothing"),
         (["--model", "small", "--steps", "4", "--resume", str(saved)], "pass the --model it was trained with"),
@@ -446,3 +454,10 @@ def test_an_interrupted_run_names_its_last_checkpoint_which_resumes_it(tmp_path)
     assert main(["train", "--model", "tiny", "--steps", str(step + 1), "--resume", str(saved),
                  "--out", str(tmp_path / "o2")]) == 0
     assert len(summary_of(tmp_path / "o2")["losses"]) == step + 1
+    # resumed without --save, nothing this run does is kept, and the line says so
+    status, lines = _interrupt([sys.executable, "-m", "offload", "train", "--model", "tiny", "--steps", "100000",
+                                "--resume", named.group(1), "--out", str(tmp_path / "o3")], tmp_path)
+    assert status == 130, lines
+    said = re.search(r"interrupted after step (\d+) of 100000; .*; nothing saved since (\S+) \(--save DIR keeps a "
+                     r"run's steps\)$", lines[-1])
+    assert said and int(said.group(1)) > step and said.group(2) == named.group(1), lines[-1]

@@ -57,7 +57,7 @@ import offload
 from offload.cli.args import gpt_config, model_name, positive_int, seed
 from offload.cli.interrupt import Sigint
 from offload.cli.progress import Progress
-from offload.cli.train_checkpoints import Resumed, client_state, resumed, save_steps, tag
+from offload.cli.train_checkpoints import Resumed, changed_options, client_state, resumed, save_steps, tag
 from offload.config import nvme_sections, read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.errors import UsageError
@@ -148,6 +148,7 @@ class _Made:
     bar: Progress | None = None
     checkpoints: list[str] = dataclasses.field(default_factory=list)  # --save's, oldest first: they stay
     first_step: int = 0  # where a resumed run took up
+    resumed_from: str | None = None  # the checkpoint it took up from
 
     def remove(self) -> None:
         with contextlib.ExitStack() as stack:  # last in, first out; each runs even if one before it raised
@@ -166,7 +167,12 @@ class _Made:
               if self.bar is not None else "before training")
         gone = ["its swap files"] if self.swap_dir is not None else []
         gone += [f"the empty {self.out_dirs[0]}"] if self.out_dirs and not os.path.exists(self.out_dirs[0]) else []
-        kept = f"; the last checkpoint, {self.checkpoints[-1]}, takes --resume" if self.checkpoints else ""
+        if self.checkpoints:
+            kept = f"; the last checkpoint, {self.checkpoints[-1]}, takes --resume"
+        elif self.resumed_from is not None:
+            kept = f"; nothing saved since {self.resumed_from} (--save DIR keeps a run's steps)"
+        else:
+            kept = ""
         return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove") + kept
 
 
@@ -283,6 +289,9 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
     tokens_per_step = data.batch_size * data.seq_len * accumulation * world
     evals = data.eval_batches(EVAL_BATCHES)
     rows, losses, checkpoints = [], [], made.checkpoints
+    options = {"steps": args.steps, "seed": args.seed, "seq_len": data.seq_len, "micro_batch": data.batch_size,
+               "accumulation": accumulation, "world_size": world, "lr": config.optimizer.params.lr,
+               "weight_decay": config.optimizer.params.weight_decay}
     start_step = 0
     if resume is None:
         eval_start = _evaluate(engine, evals)
@@ -291,8 +300,11 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             warnings.filterwarnings("ignore", "load_checkpoint: the learning rate resumes")
             engine.load_checkpoint(os.path.dirname(resume.directory), os.path.basename(resume.directory))
         start_step, losses, eval_start = resume.step, list(resume.losses), resume.eval_loss_start
+        changed = changed_options(resume.options, options)
+        if changed and made.reporting:
+            warnings.warn(changed, UserWarning, stacklevel=1)
     bar = made.bar = Progress(args.steps - start_step, "train", enabled=rank == 0)
-    made.first_step = start_step
+    made.first_step, made.resumed_from = start_step, resume and resume.directory
     engine.synchronize()  # the initial state's writes are initialize's, not a step's
     disk_from = engine.disk_traffic()
     for step in range(start_step, args.steps):
@@ -326,7 +338,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
             engine.synchronize()  # the step's own write-backs count as the step's
             before = engine.disk_traffic()
             checkpoints.append(engine.save_checkpoint(args.save, tag(step + 1),
-                                                      client_state(model_config, losses, eval_start)))
+                                                      client_state(model_config, losses, eval_start, options)))
             disk_from += engine.disk_traffic() - before
     engine.synchronize()  # the last step's write-backs, so that they count
     disk = engine.disk_traffic() - disk_from

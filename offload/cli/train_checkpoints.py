@@ -10,7 +10,8 @@ options it was saved with takes the steps the run that saved it took after
 the save, bit for bit (the same as a run that never saved, except with
 ``delayed_update``: a save applies the update in flight at once, as
 DeepSpeed's does). Other options are taken as given (a longer ``--steps``
-extends the schedule); a different model is refused.
+extends the schedule), with a warning naming each that differs from the
+saved run's; a different model is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Resumed:
     step: int  # steps taken before it
     losses: list[float]
     eval_loss_start: float
+    options: dict  # the saved run's (``RUN_OPTIONS``)
 
 
 def resumed(path: str | None, model: GPTConfig, steps: int) -> Resumed | None:
@@ -57,7 +59,7 @@ def resumed(path: str | None, model: GPTConfig, steps: int) -> Resumed | None:
     if step >= steps:
         raise UsageError(f"--resume {path}: the checkpoint is at step {step}, so --steps {steps} leaves nothing to "
                          "train; raise --steps")
-    return Resumed(directory, step, list(state["losses"]), state["eval_loss_start"])
+    return Resumed(directory, step, list(state["losses"]), state["eval_loss_start"], state.get("options", {}))
 
 
 def save_steps(save_dir: str | None, interval: int | None, start: int, steps: int) -> list[int]:
@@ -85,5 +87,29 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def client_state(model: GPTConfig, losses: list[float], eval_loss_start: float) -> dict:
-    return {KEY: {"model_config": dataclasses.asdict(model), "losses": losses, "eval_loss_start": eval_loss_start}}
+# What the steps taken depend on, beside the model, each with what a change does.
+RUN_OPTIONS = {
+    "steps": "--steps: the learning rate's warm-up and decay follow it",
+    "seed": "--seed: other batches",
+    "seq_len": "--seq-len: other batches",
+    "micro_batch": "--batch-size or the config: other batches",
+    "accumulation": "the config's batch sizes: other steps",
+    "world_size": "the ranks: other batches",
+    "lr": "the config's optimizer.params.lr",
+    "weight_decay": "the config's optimizer.params.weight_decay",
+}
+
+
+def changed_options(saved: dict, now: dict) -> str | None:
+    """The options of this run that differ from the saved run's, said; None if none."""
+    changed = [f"{RUN_OPTIONS[k]} ({saved[k]} then, {now[k]} now)" for k in RUN_OPTIONS
+               if k in saved and saved[k] != now[k]]
+    if not changed:
+        return None
+    return ("offload train --resume: this run's options differ from those of the run it resumes, so its steps are "
+            "not those that run would have taken: " + "; ".join(changed))
+
+
+def client_state(model: GPTConfig, losses: list[float], eval_loss_start: float, options: dict) -> dict:
+    return {KEY: {"model_config": dataclasses.asdict(model), "losses": losses, "eval_loss_start": eval_loss_start,
+                  "options": options}}

@@ -80,6 +80,7 @@ from offload.zero.layout import ALIGN
 from offload.zero.stage3 import parts_in_cpu
 
 TIERS = ("device", "host", "nvme")
+TIER_NAMES = {"device": "GPU", "host": "CPU", "nvme": "NVMe"}  # as the tables name them
 
 
 @dataclass(frozen=True)

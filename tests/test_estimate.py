@@ -41,6 +41,20 @@ def test_estimate_cli_prints_the_papers_figures(capsys):
     assert capsys.readouterr().out.startswith("offload estimate: 121K parameters")  # not 0.000121B
 
 
+def test_the_fits_column_judges_only_the_tiers_it_was_given_a_size_for(capsys):
+    """With the host's size alone, a setup that fits it is not "yes": the GPU
+    (and the disk, where used) is unknown, which the column said nothing of."""
+    assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "512GB"]) == 0
+    rows = {line[:36].strip(): line[71:89].strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("stage 2")}
+    assert rows == {"stage 2, optimizer none": "GPU unknown", "stage 2, optimizer cpu": "GPU unknown",
+                    "stage 2, optimizer nvme": "GPU,NVMe unknown"}
+    assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "64GB", "--gpu-mem", "80GB",
+                 "--nvme-free", "1TB"]) == 0
+    rows = [line[71:89].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
+    assert rows == ["no: GPU", "no: CPU", "yes"]
+
+
 def test_estimate_cli_counts_a_loras_trained_parameters(capsys):
     """7B weights, 40M trained: the paper's per-GPU bytes and each setup's
     gradients and optimizer state follow the 40M; the weights the 7B."""

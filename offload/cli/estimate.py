@@ -20,7 +20,7 @@ import os
 from offload import Config
 from offload.cli.args import gpt_config, memory_size, parameter_count, positive_int
 from offload.errors import UsageError
-from offload.estimate import TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
+from offload.estimate import TIER_NAMES, TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
 from offload.models.gpt import SIZES, size_name
 from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
 from offload.report import human_count
@@ -145,13 +145,17 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
              f"weights' own host copy); below: {state_format}", ""]
     header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
     lines += [header, "-" * len(header)]
+    limits = dict(zip(TIERS, (args.gpu_mem, args.cpu_mem, args.nvme_free)))
     for e in rows:
-        short = [t for t in TIERS if not e.fits[t]]
-        fits = "yes" if not short else "no: " + ",".join({"device": "GPU", "host": "CPU", "nvme": "NVMe"}[t] for t in short)
-        if all(limit is None for limit in (args.gpu_mem, args.cpu_mem, args.nvme_free)):
+        short = [TIER_NAMES[t] for t in TIERS if not e.fits[t]]
+        used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
+        unknown = [TIER_NAMES[t] for t in TIERS if limits[t] is None and used[t] > 0]  # no size given to judge by
+        fits = "no: " + ",".join(short) if short else f"{','.join(unknown)} unknown" if unknown else "yes"
+        if all(limit is None for limit in limits.values()):
             fits = "-"
         lines.append(f"{e.setup.name:36}{gb(e.rank_total('device')):>11}{gb(e.node['host']):>11}{gb(e.node['nvme']):>11}  "
                      f"{fits:18}{gb(e.pcie_bytes_per_step):>11}{gb(e.disk_read_per_step):>13}{gb(e.disk_written_per_step):>13}")
     lines += ["", "GB = 10^9 bytes. GPU/rank includes this engine's buffers (gradient buckets, gathered weights); "
-              "activations are not included. PCIe is per rank, disk per node."]
+              "activations are not included. PCIe is per rank, disk per node. fits: against the sizes given "
+              "(--gpu-mem, --cpu-mem, --nvme-free); 'unknown' names a tier used without one."]
     return "\n".join(lines)

@@ -44,7 +44,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -84,7 +83,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="sequences per micro-batch per rank (default: the config's, else 8); a config's "
                         "train_batch_size stands, and the accumulation steps follow from it")
     p.add_argument("--nvme-path", default=None, help="directory for swap files (default: the config's nvme_path, else "
-                   f"a new temporary directory in {tempfile.gettempdir()}, removed after)")
+                   f"a directory of their own in {tempfile.gettempdir()}, removed after)")
     p.add_argument("--seed", type=seed, default=0, help="seed for the weights and the batches (default 0)")
     p.add_argument("--out", default=None, help="directory for summary.json and loss.png (default runs/train-<time>)")
     p.add_argument("--save", metavar="DIR", default=None,
@@ -142,7 +141,7 @@ class _Made:
     out: str | None = None
     swap_dir: str | None = None  # where the swap files go, in a directory of their own
     out_dirs: list[str] = dataclasses.field(default_factory=list)  # --out and the parents made for it, innermost first
-    scratch: str | None = None  # the temporary swap directory
+    temporary: bool = False  # the swap files' run directory is in the temporary directory
     engine: offload.Engine | None = None  # its close() removes its swap files
     process_group: bool = False
     bar: Progress | None = None
@@ -155,8 +154,6 @@ class _Made:
             if self.process_group:
                 stack.callback(torch.distributed.destroy_process_group)
             stack.callback(_remove_if_empty, self.out_dirs)
-            if self.scratch is not None:
-                stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
             if self.engine is not None:
                 # No rank-wide gathering of the model back: nothing uses it after
                 # the run, and after a failure or Ctrl-C other ranks may be gone.
@@ -238,26 +235,29 @@ def _raw_config(args: argparse.Namespace) -> dict:
 
 
 def _place_swap_files(args: argparse.Namespace, raw: dict, made: _Made) -> str | None:
-    """Fills in the NVMe sections' paths: --nvme-path, else the config's, else a
-    temporary directory made now; the directory the swap files go under, if any."""
+    """Fills in the NVMe sections' paths: --nvme-path, else the config's, else the
+    temporary directory, where the store's run directory is found by the next
+    store's warning and by offload clean as anywhere (Note [run directory
+    ownership]); the directory the swap files go under, if any."""
     sections = [section for _, section in nvme_sections(raw)]
     if args.nvme_path is not None:
         for section in sections:
             section["nvme_path"] = args.nvme_path
     elif any(not section.get("nvme_path") for section in sections):
-        made.scratch = tempfile.mkdtemp(prefix="offload-train-")
+        made.temporary = True
         for section in sections:
-            section["nvme_path"] = section.get("nvme_path") or made.scratch
-    return made.scratch or next((section["nvme_path"] for section in sections), None)
+            section["nvme_path"] = section.get("nvme_path") or tempfile.gettempdir()
+    return next((section["nvme_path"] for section in sections), None)
 
 
 def _header(args: argparse.Namespace, config: offload.Config, made: _Made) -> str:
     """The first line: which config, where the swap files and the results go."""
     if made.swap_dir is None:
         swap = "no swap files (nothing on NVMe)"
-    elif made.scratch is not None:
+    elif made.temporary:
         ranks = "; each rank has its own" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        swap = f"swap files in {made.scratch} (temporary, removed at the end{ranks})"
+        swap = (f"swap files in a directory of their own in {made.swap_dir} (temporary, removed at the end{ranks}; "
+                f"a killed run's: offload clean --nvme-path {made.swap_dir})")
     else:
         swap = f"swap files under {made.swap_dir} (in a directory of their own, removed at the end)"
     z = config.zero_optimization

@@ -397,6 +397,6 @@ def test_sizes_read_as_every_other_command_reads_them():
     read them (bench swap read 1MB as 1 MiB, and refused T)."""
     from offload.cli import build_parser
 
-    for given, size in [("1T", 1 << 40), ("1GiB", 1 << 30), ("1MB", 10**6), ("3M", 3 << 20)]:
+    for given, size in [("1T", 1 << 40), ("1GiB", 1 << 30), ("2Gi", 2 << 30), ("1MB", 10**6), ("3M", 3 << 20)]:
         assert build_parser().parse_args(["bench", "swap", "--path", "/tmp", "--size", given]).size == size, given
     assert build_parser().parse_args(["bench", "swap", "--path", "/tmp", "--block-size", "4096"]).block_size == 4096

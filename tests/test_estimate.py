@@ -277,15 +277,18 @@ def test_when_only_the_compact_state_fits_plan_says_so_and_without_a_disk_asks_f
     printed = capsys.readouterr().out
     assert "no disk: pass --nvme-path DIR to consider one" in printed
     # fp32 on the CPU: 4 + 4 + 12 bytes a parameter, 100 GB / 90%; compact (bf16 compute): 2 + 2 + 2 + 2, 40 GB / 90%
-    assert "A disk with 111 GB free (44 GB with --state-dtype int8 --master-dtype bfloat16) would hold it; pass it as " \
-           "--nvme-path" in printed
+    assert "It would fit with a disk with 111 GB free (44 GB with --state-dtype int8 --master-dtype bfloat16), passed " \
+           "as --nvme-path;" in printed
 
 
 def test_when_the_ram_is_short_plan_says_so_and_not_that_a_disk_would_do(monkeypatch, capsys):
     monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, 2 * 10**9, 10**13, 1.0, 1.0))
     assert main(["plan", "--params", "5B", "--nvme-path", "/tmp"]) == 1
     printed = capsys.readouterr().out
-    assert "RAM is what is short: 7.0 GB available would hold it" in printed and "A disk with" not in printed
+    assert "It would fit with 7.0 GB of RAM available; or split" in printed
+    # both short: both said (a bigger disk alone was advised)
+    assert main(["plan", "--params", "1.5T", "--nvme-path", "/tmp"]) == 1
+    assert re.search(r"It would fit with [\d.]+ GB of RAM available and a disk with 33333 GB free", capsys.readouterr().out)
 
 
 def test_a_bf16_master_planned_without_a_gpu_computes_in_bf16_and_says_so(tmp_path, monkeypatch, capsys):

@@ -73,6 +73,7 @@ def positive_int(text: str) -> int:
 
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
                "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+               "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40,  # as Kubernetes writes them
                "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 

@@ -192,15 +192,20 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
     if compact is not None:
         lines.append(f"It fits as {compact[1].setup.name} with the compact optimizer state (not bitwise AdamW): "
                      "rerun with --state-dtype int8 --master-dtype bfloat16.")
-    elif ram > HEADROOM["host"] * machine.cpu_mem:
-        lines.append(f"RAM is what is short: {ram / HEADROOM['host'] / 1e9:.1f} GB available would hold it; or split "
-                     "the model over more nodes (offload estimate --nodes N --gpus M says what each node needs).")
-    else:
-        room = f"{need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB free" + (
-            f" ({compact_need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB with --state-dtype int8 --master-dtype "
-            "bfloat16)" if formats != COMPACT else "")
-        lines.append(f"A disk with {room} would hold it; pass it as --nvme-path. Or split the model over more nodes "
-                     "(offload estimate --nodes N --gpus M says what each node needs).")
+        return "\n".join(lines)
+    short = []
+    if machine.gpu_mem is not None and need.rank_total("device") > HEADROOM["device"] * machine.gpu_mem:
+        short.append(f"{need.rank_total('device') / HEADROOM['device'] / 1e9:.1f} GB of GPU memory per rank")
+    if ram > HEADROOM["host"] * machine.cpu_mem:
+        short.append(f"{ram / HEADROOM['host'] / 1e9:.1f} GB of RAM available")
+    if machine.nvme_free is None or need.node["nvme"] > HEADROOM["nvme"] * machine.nvme_free:
+        compact_room = (f" ({compact_need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB with --state-dtype int8 "
+                        "--master-dtype bfloat16)" if formats != COMPACT else "")
+        short.append(f"a disk with {need.node['nvme'] / HEADROOM['nvme'] / 1e9:.0f} GB free{compact_room}, passed "
+                     "as --nvme-path")
+    if short:
+        lines.append(f"It would fit with {' and '.join(short)}; or split the model over more nodes (offload estimate "
+                     "--nodes N --gpus M says what each node needs).")
     return "\n".join(lines)
 
 
@@ -219,11 +224,11 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
         disk = (f", {machine.nvme_free / 1e9:.0f} GB free on NVMe reading {machine.read_gbps:.2f} and writing "
                 f"{machine.write_gbps:.2f} GB/s")
     lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at "
-             f"{e.bytes_per_param:g} bytes each "
+             f"{e.bytes_per_param:.3g} bytes each "
              f"(weights, gradients and optimizer state, in the config's dtypes); "
              f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
-             f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator; per node {e.node['host'] / 1e9:.2f} GB host, "
+             f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator{'' if machine.gpu_mem else ' (this RAM)'}; per node {e.node['host'] / 1e9:.2f} GB host, "
              f"{e.node['nvme'] / 1e9:.2f} GB NVMe."]
     if e.disk_read_per_step and machine.read_gbps:
         seconds = e.disk_read_per_step / (machine.read_gbps * 1e9) + e.disk_written_per_step / (machine.write_gbps * 1e9)

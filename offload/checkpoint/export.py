@@ -12,6 +12,7 @@ without its frozen parameters is refused: its export would not be the model.
 from __future__ import annotations
 
 import os
+import warnings
 import zlib
 from collections.abc import Iterator
 
@@ -85,7 +86,12 @@ def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | No
     directory = resolve(path, tag)
     manifest = read_manifest(directory)
     plan, tensors = consolidated(directory, manifest, dtype)
-    return manifest, write_pretrained(out_dir, plan, tensors, _kept_configs(directory, manifest), max_shard_bytes)
+    configs = _kept_configs(directory, manifest)
+    if "config.json" not in configs:
+        warnings.warn(f"{directory} kept no config.json (its model was no Hugging Face model), so from_pretrained "
+                      f"will not load {out_dir} until one is put there: copy the model's config.json into it, or "
+                      "export --out FILE for the weights alone", UserWarning, stacklevel=2)
+    return manifest, write_pretrained(out_dir, plan, tensors, configs, max_shard_bytes)
 
 
 def _kept_configs(directory: str, manifest: Manifest) -> dict[str, str]:

@@ -418,6 +418,17 @@ def test_a_run_resumed_from_its_checkpoint_takes_the_uninterrupted_runs_steps(tm
     assert (second["eval_loss_start"], second["eval_loss_end"]) == (first["eval_loss_start"], first["eval_loss_end"])
     a, b = _exported(whole, tmp_path / "a.safetensors"), _exported(resumed, tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the export is the trained model: loaded into a plain GPT, it gives the held-out loss the run reported
+    from offload.cli.train import EVAL_BATCHES
+    from offload.data import ByteBatches, stdlib_corpus
+    from offload.models.gpt import GPT, SIZES
+
+    model = GPT(SIZES["tiny"])
+    model.load_state_dict(a)
+    evals = ByteBatches(stdlib_corpus(), first["seq_len"], first["micro_batch"], first["seed"]).eval_batches(EVAL_BATCHES)
+    with torch.no_grad():
+        held_out = sum(model(batch).item() for batch in evals) / len(evals)
+    assert held_out == pytest.approx(first["eval_loss_end"], rel=1e-6)
     assert "in place of" not in capsys.readouterr().out
     _exported(resumed, tmp_path / "a.safetensors")
     assert f"{tmp_path / 'a.safetensors'} (in place of the file that was there)" in capsys.readouterr().out

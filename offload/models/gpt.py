@@ -103,12 +103,14 @@ class GPT(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T+1) -> mean next-token cross-entropy over T positions."""
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        T = x.shape[1]
-        h = self.tok(x) + self.pos(torch.arange(T, device=x.device))  # (B, T, C)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> next-token logits (B, T, V)."""
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         for block in self.blocks:
             h = block(h)
-        logits = self.head(self.ln_f(h))  # (B, T, V)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self.head(self.ln_f(h))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T+1) -> mean next-token cross-entropy over T positions."""
+        logits = self.logits(tokens[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

@@ -459,6 +459,7 @@ def test_save_and_resume_refuse_before_training_what_they_cannot_do(tmp_path, ca
         (["--resume", str(tmp_path / "empty")], "no checkpoint here"),
         (["--resume", str(foreign)], "was not saved by offload train"),
         (["--save", str(tmp_path / "o" / "summary.json")], "is not a directory"),
+        (["--save", str(saved / "global_step2")], f"is a checkpoint itself; name the directory checkpoints go in ({saved}"),
     ]:
         argv = ["train", "--model", "tiny", *argv, "--out", str(tmp_path / "never")]
         assert main(argv) == 2, argv

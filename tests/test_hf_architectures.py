@@ -248,14 +248,53 @@ def _gpt2():
                                                                 n_positions=16))
 
 
-@pytest.mark.parametrize("build", [_gpt2, _switch], ids=["gpt2", "switch"])
+def _zamba():
+    return transformers.ZambaForCausalLM(transformers.ZambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=2,
+        mamba_expand=2, n_mamba_heads=2, mamba_dt_rank=4, max_position_embeddings=32, use_mamba_kernels=False))
+
+
+class _OldStyleConfig(transformers.PretrainedConfig):
+    model_type = "offload-test-old-style"
+
+
+class _OldStyle(transformers.PreTrainedModel):
+    """A block writing its child's weight through .data (no version counter
+    moves), as much remote code does."""
+
+    config_class = _OldStyleConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 8), "proj": torch.nn.Linear(8, 8)})
+                                          for _ in range(2))
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data.normal_(0, 0.02)
+            module.bias.data.zero_()
+        if isinstance(module, torch.nn.ModuleDict):
+            module["proj"].weight.data.normal_(0, 0.001)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block["proj"](block["fc"](x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("build", [_gpt2, _switch, _zamba, lambda: _OldStyle(_OldStyleConfig())],
+                         ids=["gpt2", "switch", "zamba", "old-style"])
 def test_stage_3_hands_on_a_weight_only_after_every_initialiser_that_writes_it(build):
     """GPT-2's blocks write their children's projections, SwitchTransformers'
-    sparse MLP its experts' and router's (grandchildren): at stage 3 each
-    parameter is partitioned as soon as it is complete, so it must wait for
-    them. The same seed gives stage 3 what stage 2, which partitions nothing
-    while initialising, gets; a weight handed on too early was written after
-    it was partitioned (an error)."""
+    sparse MLP its experts' and router's (grandchildren), old-style code
+    through .data: at stage 3 each parameter is partitioned as soon as it is
+    complete, so it must wait for them. Trying the initialiser on the meta
+    model first must draw nothing (Zamba's draws on the CPU). The same seed
+    gives stage 3 what stage 2, which partitions nothing while initialising,
+    gets; a weight handed on too early was written after it was partitioned
+    (an error)."""
     states = []
     for stage in (2, 3):
         torch.manual_seed(0)
@@ -264,6 +303,7 @@ def test_stage_3_hands_on_a_weight_only_after_every_initialiser_that_writes_it(b
         zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
         with offload.initialize(model, {"zero_optimization": zero}) as engine:
             states.append(engine.state_dict())
+        states[-1]["random state after"] = torch.random.get_rng_state()
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 

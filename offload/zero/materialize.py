@@ -10,7 +10,8 @@ once every module that holds it has been visited (a tied weight after its
 last holder), so the caller can partition and free it at once: the whole
 model never exists at once. An initialiser that also writes descendants'
 parameters (Hugging Face's ``_init_weights``) is tried on the meta model
-first (``writes``), and what it writes waits for it.
+first (``writes``: every in-place write it makes, by the operators' own
+schemas), and what it writes waits for it.
 
 Note [a model partly on meta]
 Only meta tensors get values; those that hold values keep them (a pretrained
@@ -38,6 +39,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload.errors import UsageError
 
@@ -126,19 +128,39 @@ def _children_first(model: torch.nn.Module) -> list[torch.nn.Module]:
     return order
 
 
+class _Writes(TorchDispatchMode):
+    """The storages an operation writes in place, by the operator's own schema
+    (so a write through ``.data``, which moves no version counter, counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                for t in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        self.storages.add(t.untyped_storage()._cdata)
+        return func(*args, **kwargs)
+
+
 def _written(module: torch.nn.Module, writes: Callable[[torch.nn.Module], None]) -> list[torch.nn.Parameter]:
     """The parameters under ``module``, all on meta, that ``writes(module)``
-    writes in place (their version counters move; meta tensors hold no values
-    to change, and draw nothing from the random generators). One it fails on
-    counts as writing them all."""
+    writes in place. Meta tensors hold no values to change; the random
+    generators are forked and new tensors made on meta, so an initialiser
+    that draws on the CPU (Zamba's) leaves the real initialisation's draws as
+    they were. One it fails on counts as writing them all."""
     below = list(module.parameters())
-    before = [p._version for p in below]
+    seen = _Writes()
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad(), seen:
             writes(module)
     except Exception:  # noqa: BLE001 - only what the real initialisation may touch is asked here
         return below
-    return [p for p, v in zip(below, before) if p._version != v]
+    return [p for p in below if p.untyped_storage()._cdata in seen.storages]
 
 
 def materialize(model: torch.nn.Module, init_fn: Callable[[torch.nn.Module], None] | None = None,

@@ -53,6 +53,10 @@ def test_the_fits_column_judges_only_the_tiers_it_was_given_a_size_for(capsys):
                  "--nvme-free", "1TB"]) == 0
     rows = [line[71:89].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
     assert rows == ["no: GPU", "no: CPU", "yes"]
+    assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "512GB", "--json"]) == 0
+    fits = [setup["fits"] for setup in json.loads(capsys.readouterr().out)["setups"]]
+    assert fits == [{"device": None, "host": True, "nvme": True}, {"device": None, "host": True, "nvme": True},
+                    {"device": None, "host": True, "nvme": None}]
 
 
 def test_estimate_cli_counts_a_loras_trained_parameters(capsys):

@@ -2,6 +2,7 @@
 in configs/ (the default among them), two ranks under torchrun, Ctrl-C, and
 one-line errors for bad input."""
 
+import argparse
 import json
 import os
 import re
@@ -145,6 +146,17 @@ def test_the_default_temporary_directory_is_named_and_removed(tmp_path):
     assert s["config"]["zero_optimization"]["sub_group_size"] == default["zero_optimization"]["sub_group_size"]
     assert s["config"]["bf16"]["enabled"] == torch.cuda.is_available()  # the file leaves the precision to train
     assert os.listdir(scratch) == []
+
+
+def test_an_nvme_section_without_a_path_shares_the_others_disk():
+    """Not the temporary directory, which the first line then did not name."""
+    from offload.cli import train
+
+    raw = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/data/nvme"},
+                                 "offload_param": {"device": "nvme"}}}
+    made = train._Made(reporting=True)
+    assert train._place_swap_files(argparse.Namespace(nvme_path=None), raw, made) == "/data/nvme"
+    assert raw["zero_optimization"]["offload_param"]["nvme_path"] == "/data/nvme" and not made.temporary
 
 
 @native

@@ -20,7 +20,7 @@ import os
 from offload import Config
 from offload.cli.args import gpt_config, memory_size, parameter_count, positive_int
 from offload.errors import UsageError
-from offload.estimate import TIER_NAMES, TIERS, ModelShape, all_setups, check_fits, estimate, zero_model_states
+from offload.estimate import TIER_NAMES, TIERS, ModelShape, all_setups, estimate, verdicts, zero_model_states
 from offload.models.gpt import SIZES, size_name
 from offload.optim.state_format import MASTER_DTYPES, STATE_DTYPES, StateFormat
 from offload.report import human_count
@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for setup in all_setups(args.stage):
         e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype)
-        check_fits(e, args.gpu_mem, args.cpu_mem, args.nvme_free)
-        rows.append(e)
+        rows.append((e, verdicts(e, args.gpu_mem, args.cpu_mem, args.nvme_free)))
     paper = zero_model_states(shape.params, args.gpus, trained=shape.trained)
     if args.json:
         print(json.dumps({"params": shape.params, "trainable": shape.trained, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
@@ -121,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
                                                         StateFormat.named(moments, master).bytes_per_element
                                                         for master, moments in FORMATS},
                           "limits": {"gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "nvme_free": args.nvme_free},
-                          "zero_model_states_per_gpu": paper, "setups": [e.to_json() for e in rows]}, indent=1))
+                          "zero_model_states_per_gpu": paper,
+                          # fits: null for a tier used without its size
+                          "setups": [{**e.to_json(), "fits": fits} for e, fits in rows]}, indent=1))
     else:
         print(report(shape, args, config, f"{master_dtype} master, {state_dtype} moments", paper, rows))
     return 0
@@ -145,13 +146,11 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
              f"weights' own host copy); below: {state_format}", ""]
     header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
     lines += [header, "-" * len(header)]
-    limits = dict(zip(TIERS, (args.gpu_mem, args.cpu_mem, args.nvme_free)))
-    for e in rows:
-        short = [TIER_NAMES[t] for t in TIERS if not e.fits[t]]
-        used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
-        unknown = [TIER_NAMES[t] for t in TIERS if limits[t] is None and used[t] > 0]  # no size given to judge by
+    for e, verdict in rows:
+        short = [TIER_NAMES[t] for t in TIERS if verdict[t] is False]
+        unknown = [TIER_NAMES[t] for t in TIERS if verdict[t] is None]
         fits = "no: " + ",".join(short) if short else f"{','.join(unknown)} unknown" if unknown else "yes"
-        if all(limit is None for limit in limits.values()):
+        if all(limit is None for limit in (args.gpu_mem, args.cpu_mem, args.nvme_free)):
             fits = "-"
         lines.append(f"{e.setup.name:36}{gb(e.rank_total('device')):>11}{gb(e.node['host']):>11}{gb(e.node['nvme']):>11}  "
                      f"{fits:18}{gb(e.pcie_bytes_per_step):>11}{gb(e.disk_read_per_step):>13}{gb(e.disk_written_per_step):>13}")

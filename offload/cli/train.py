@@ -148,6 +148,7 @@ class _Made:
     checkpoints: list[str] = dataclasses.field(default_factory=list)  # --save's, oldest first: they stay
     first_step: int = 0  # where a resumed run took up
     resumed_from: str | None = None  # the checkpoint it took up from
+    saving: bool = False  # --save given
 
     def remove(self) -> None:
         with contextlib.ExitStack() as stack:  # last in, first out; each runs even if one before it raised
@@ -167,7 +168,7 @@ class _Made:
         if self.checkpoints:
             kept = f"; the last checkpoint, {self.checkpoints[-1]}, takes --resume"
         elif self.resumed_from is not None:
-            kept = f"; nothing saved since {self.resumed_from} (--save DIR keeps a run's steps)"
+            kept = f"; nothing saved since {self.resumed_from}" + ("" if self.saving else " (--save DIR keeps a run's steps)")
         else:
             kept = ""
         return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove") + kept
@@ -235,8 +236,8 @@ def _raw_config(args: argparse.Namespace) -> dict:
 
 
 def _place_swap_files(args: argparse.Namespace, raw: dict, made: _Made) -> str | None:
-    """Fills in the NVMe sections' paths: --nvme-path, else the config's, else the
-    temporary directory, where the store's run directory is found by the next
+    """Fills in the NVMe sections' paths: --nvme-path, else the config's (a section
+    without one shares the other's disk), else the temporary directory, where the store's run directory is found by the next
     store's warning and by offload clean as anywhere (Note [run directory
     ownership]); the directory the swap files go under, if any."""
     sections = [section for _, section in nvme_sections(raw)]
@@ -244,9 +245,10 @@ def _place_swap_files(args: argparse.Namespace, raw: dict, made: _Made) -> str |
         for section in sections:
             section["nvme_path"] = args.nvme_path
     elif any(not section.get("nvme_path") for section in sections):
-        made.temporary = True
+        given = next((section["nvme_path"] for section in sections if section.get("nvme_path")), None)
+        made.temporary = given is None  # else the section without a path shares the other's disk
         for section in sections:
-            section["nvme_path"] = section.get("nvme_path") or tempfile.gettempdir()
+            section["nvme_path"] = section.get("nvme_path") or given or tempfile.gettempdir()
     return next((section["nvme_path"] for section in sections), None)
 
 
@@ -304,7 +306,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         if changed and made.reporting:
             warnings.warn(changed, UserWarning, stacklevel=1)
     bar = made.bar = Progress(args.steps - start_step, "train", enabled=rank == 0)
-    made.first_step, made.resumed_from = start_step, resume and resume.directory
+    made.first_step, made.resumed_from, made.saving = start_step, resume and resume.directory, bool(saves)
     engine.synchronize()  # the initial state's writes are initialize's, not a step's
     disk_from = engine.disk_traffic()
     for step in range(start_step, args.steps):

@@ -75,7 +75,7 @@ def save_steps(save_dir: str | None, interval: int | None, start: int, steps: in
         raise UsageError(f"--save {save_dir}: {problem}")
     if os.path.isfile(os.path.join(save_dir, MANIFEST)):
         raise UsageError(f"--save {save_dir} is a checkpoint itself; name the directory checkpoints go in "
-                         f"({os.path.dirname(os.path.normpath(save_dir)) or '.'}, say)")
+                         f"({os.path.dirname(os.path.abspath(save_dir))}, say)")
     at = sorted({*range(interval, steps + 1, interval), steps} if interval else {steps})
     at = [s for s in at if s > start]
     taken = [tag(s) for s in at if os.path.isfile(os.path.join(save_dir, tag(s), MANIFEST))]

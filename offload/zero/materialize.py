@@ -34,6 +34,7 @@ number of ranks: every rank draws every value and keeps its part.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -42,6 +43,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload.errors import UsageError
+
+# The module whose init_fn runs now: a partitioned parameter it writes says so.
+INITIALISING: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar("initialising", default=None)
 
 
 def _owns(module: torch.nn.Module) -> bool:
@@ -209,8 +213,12 @@ def _initialise(module: torch.nn.Module, init_fn: Callable[[torch.nn.Module], No
         elif b is not None and built:
             buffers_aside[name], module._buffers[name] = b, torch.empty_like(b)
     if built:
-        with torch.no_grad():
-            init_fn(module)
+        token = INITIALISING.set(module)
+        try:
+            with torch.no_grad():
+                init_fn(module)
+        finally:
+            INITIALISING.reset(token)
     for p, values in aside:
         torch.utils.swap_tensors(p, values)
     module._buffers.update(buffers_aside)

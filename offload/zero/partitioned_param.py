@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from offload.errors import UsageError
+from offload.zero.materialize import INITIALISING
 
 COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and load model.state_dict() or "
                 "engine.state_dict() into it (every rank calls either)")
@@ -92,6 +93,12 @@ class _Hidden:
         if not (kind == "set" or (kind == "get" and name in _ATTRIBUTES) or name in _METHODS
                 or name in _GUARDED_RESULT or (name == "type" and len(args) == 1 and not kwargs)):
             holder = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Hidden))
+            initialising = INITIALISING.get()
+            if initialising is not None:
+                raise UsageError(f"{_name_of(holder)}: init_fn({type(initialising).__name__}) writes it, but it was "
+                                 "partitioned once its own module was initialised (stage 3 frees each parameter as "
+                                 "soon as it is final): an init_fn must initialise only its module's own parameters; "
+                                 "give this one its value when init_fn is called with its own module")
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
                              f"outside a forward (this rank holds only its part), so it has no values to "
                              f"{name.strip('_')}; read or change it inside `with engine.gathered(params)` (a "

@@ -11,6 +11,7 @@ import torch
 
 import offload
 from offload import _native
+from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -156,3 +157,28 @@ def test_a_block_is_initialised_only_when_everything_under_it_was_on_meta():
         state = engine.state_dict()
         assert torch.equal(state["0.0.weight"], loaded["weight"]) and torch.equal(state["0.0.bias"], loaded["bias"])
         assert torch.isfinite(state["1.0.weight"]).all()
+
+
+def test_an_init_fn_writing_below_its_module_at_stage_3_is_told_what_init_fn_may_write(tmp_path):
+    """Stage 3 frees each parameter once its own module is initialised: an
+    init_fn of the user's that writes a grandchild's weight then finds it
+    partitioned. The error says that, not the advice for a partitioned
+    parameter touched between steps (engine.gathered), which cannot help here."""
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mid = torch.nn.Sequential(torch.nn.Linear(8, 8))
+            self.head = torch.nn.Linear(8, 8)
+
+    def init_fn(module):
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        if isinstance(module, Outer):
+            module.mid[0].weight.fill_(7.0)
+
+    with torch.device("meta"):
+        model = Outer()
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    with pytest.raises(UsageError, match=r"^mid\.0\.weight: init_fn\(Outer\) writes it, but it was partitioned once "
+                                         r"its own module was initialised"):
+        offload.initialize(model, {"zero_optimization": zero}, init_fn=init_fn)

@@ -334,17 +334,14 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
 
 
 def verdicts(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None) -> dict[str, bool | None]:
-    """Per tier, whether ``e`` fits the size given; None where the tier is used
-    and no size was given to judge it by."""
-    check_fits(e, gpu_mem, cpu_mem, nvme_free)
+    """Per tier, whether ``e`` fits the size given: per-rank accelerator bytes
+    within gpu_mem, per-node host and disk bytes within cpu_mem and nvme_free;
+    None where the tier is used and no size was given to judge it by."""
     limits = {"device": gpu_mem, "host": cpu_mem, "nvme": nvme_free}
     used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
-    return {t: None if limits[t] is None and used[t] > 0 else e.fits[t] for t in TIERS}
+    return {t: (None if used[t] > 0 else True) if limits[t] is None else used[t] <= limits[t] for t in TIERS}
 
 
 def check_fits(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None) -> None:
-    """Fill ``e.fits``: per-rank accelerator bytes within gpu_mem, per-node host
-    and disk bytes within cpu_mem and nvme_free (a limit of None is not checked)."""
-    limits = {"device": gpu_mem, "host": cpu_mem, "nvme": nvme_free}
-    used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
-    e.fits = {t: limits[t] is None or used[t] <= limits[t] for t in TIERS}
+    """Fill ``e.fits`` from ``verdicts`` (a limit of None is not checked)."""
+    e.fits = {t: verdict is not False for t, verdict in verdicts(e, gpu_mem, cpu_mem, nvme_free).items()}

@@ -116,12 +116,16 @@ def fits(e: Estimate, machine: Machine) -> bool:
     usable = {t: None if v is None else HEADROOM[t] * v for t, v in
               (("device", machine.gpu_mem), ("host", machine.cpu_mem), ("nvme", machine.nvme_free))}
     if machine.gpu_mem is None:
-        per_node_device = e.rank_total("device") * machine.gpus
-        if per_node_device + e.node["host"] > usable["host"]:
+        if ram_needed(e, machine) > usable["host"]:
             return False
         usable["device"] = None
     check_fits(e, usable["device"], usable["host"], usable["nvme"] if machine.nvme_free is not None else 0)
     return all(e.fits.values())
+
+
+def ram_needed(e: Estimate, machine: Machine) -> float:
+    """The node's host bytes, and without a GPU its ranks' accelerator bytes too (the same RAM)."""
+    return e.node["host"] + (e.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
 
 
 def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
@@ -181,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, formats: dict[str, str]) -> str:
     """What the most offloaded setup needs against what is here, and what would make it fit."""
     need, compact_need = (_most_offloaded(shape, machine, nvme_path, f) for f in (formats, COMPACT))
-    ram = need.node["host"] + (need.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
+    ram = ram_needed(need, machine)
     disk = (f"{machine.nvme_free / 1e9:.1f} GB free on disk" if machine.nvme_free is not None else
             "no disk: pass --nvme-path DIR to consider one")
     lines = [f"offload plan: no setup fits {human_count(shape.params)} parameters here: even with everything on NVMe "

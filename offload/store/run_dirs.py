@@ -23,6 +23,7 @@ import socket
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -107,20 +108,27 @@ def _size(path: str) -> int:
     return total
 
 
-def survey(nvme_path: str) -> tuple[list[RunDir], list[RunDir]]:
-    """The run directories in ``nvme_path``: (stale, kept)."""
-    found: tuple[list[RunDir], list[RunDir]] = ([], [])
+def _verdicts(nvme_path: str) -> Iterator[tuple[str, bool, str]]:
+    """(path, stale, why) for each run directory in ``nvme_path``."""
     for name in sorted(os.listdir(nvme_path)):
         path = os.path.join(nvme_path, name)
         if name.startswith(PREFIX) and os.path.isdir(path) and not os.path.islink(path):
             verdict = _verdict(path)
             if verdict is not None:
-                found[0 if verdict[0] else 1].append(RunDir(path, _size(path), verdict[1]))
+                yield path, *verdict
+
+
+def survey(nvme_path: str) -> tuple[list[RunDir], list[RunDir]]:
+    """The run directories in ``nvme_path``: (stale, kept)."""
+    found: tuple[list[RunDir], list[RunDir]] = ([], [])
+    for path, is_stale, why in _verdicts(nvme_path):
+        found[0 if is_stale else 1].append(RunDir(path, _size(path), why))
     return found
 
 
 def stale(nvme_path: str) -> list[RunDir]:
-    return survey(nvme_path)[0]
+    """The stale ones alone: a new store asks on its way up, and a live run's files are not walked for it."""
+    return [RunDir(path, _size(path), why) for path, is_stale, why in _verdicts(nvme_path) if is_stale]
 
 
 def remove_stale(nvme_path: str) -> tuple[list[RunDir], list[tuple[RunDir, str]], list[RunDir]]:

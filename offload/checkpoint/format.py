@@ -214,17 +214,35 @@ def _refuse_deepspeeds(directory: str) -> None:
                               "those (offload.initialize(model, config, weights=DIR))")
 
 
+def replaced_twin(directory: str) -> str:
+    """Where a checkpoint stands while a save of its tag replaces it (Note
+    [checkpoint atomicity]): ``<save_dir>/.<tag>.replaced``."""
+    parent, name = os.path.split(os.path.normpath(directory))
+    return os.path.join(parent, f".{name}.replaced")
+
+
+def complete(directory: str) -> str | None:
+    """The complete checkpoint for ``directory``: itself if it holds a
+    manifest, else its replaced twin if a save replacing it died between its
+    two renames; None where neither is complete."""
+    for candidate in (directory, replaced_twin(directory)):
+        if os.path.isfile(os.path.join(candidate, MANIFEST)):
+            return candidate
+    return None
+
+
 def holds_checkpoint(path: str) -> bool:
     """``resolve(path)`` finds something to load, or to refuse by name: a
     checkpoint, a ``latest``, or a DeepSpeed checkpoint's files."""
-    return os.path.isfile(os.path.join(path, MANIFEST)) or latest_tag(path) is not None or _is_deepspeeds(path)
+    return complete(path) is not None or latest_tag(path) is not None or _is_deepspeeds(path)
 
 
 def resolve(path: str, tag: str | None = None) -> str:
     """The checkpoint directory for ``path``: itself if it holds a manifest, else
-    ``path/tag``, else the tag that ``path/latest`` names."""
-    if tag is None and os.path.isfile(os.path.join(path, MANIFEST)):
-        return path
+    ``path/tag``, else the tag that ``path/latest`` names (or, for either, its
+    replaced twin: ``complete``)."""
+    if tag is None and (found := complete(path)) is not None:
+        return found
     if tag is None:
         tag = latest_tag(path)
         if tag is None:
@@ -234,15 +252,15 @@ def resolve(path: str, tag: str | None = None) -> str:
             raise CheckpointError(f"{path}: no checkpoint here (neither {MANIFEST} nor {LATEST}); "
                                   f"pass a checkpoint directory or the save directory of one") from None
     directory = os.path.join(path, tag)
+    if (found := complete(directory)) is not None:
+        return found
     if not os.path.isdir(directory):
-        tags = sorted(t for t in os.listdir(path) if os.path.isfile(os.path.join(path, t, MANIFEST))) \
-            if os.path.isdir(path) else []
+        tags = sorted(t for t in os.listdir(path) if not t.startswith(".")  # a save's own, or its replaced twin
+                      and os.path.isfile(os.path.join(path, t, MANIFEST))) if os.path.isdir(path) else []
         raise CheckpointError(f"{path} has no checkpoint tagged {tag!r}; "
                               + (f"its tags: {', '.join(tags)}" if tags else "it holds no complete checkpoint"))
-    if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        _refuse_deepspeeds(directory)
-        raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
-    return directory
+    _refuse_deepspeeds(directory)
+    raise CheckpointError(f"{directory}: no {MANIFEST}; this tag was never completed")
 
 
 def file_crc32(path: str) -> int:

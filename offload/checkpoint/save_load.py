@@ -8,10 +8,15 @@ directory, renames it to ``<tag>``, fsyncs ``save_dir``, and only then
 replaces ``latest`` (written beside, fsynced, renamed). A crash or a full disk
 at any point leaves every earlier checkpoint and ``latest`` as they were; loads
 never look at a partial directory, and the next save of that tag removes it.
-An existing tag is never overwritten: replacing a directory in place would
-open a window in which neither the old nor the new checkpoint exists. A
-failure of any kind on one rank reaches the others through ``_agree``, so no
-rank waits forever in a collective.
+A save of a tag that exists replaces it, as DeepSpeed's does (a script saving
+``tag="last"`` each time), but never in place, where a crash would leave
+neither checkpoint: the old one is renamed ``.<tag>.replaced`` just before the
+new one takes its name, and removed after. A crash between the two renames
+leaves the old one whole under that name, which loads find for the tag
+(``format.complete``) and the next save of the tag replaces. A directory at
+the tag that is no offload checkpoint is refused, never removed. A failure of
+any kind on one rank reaches the others through ``_agree``, so no rank waits
+forever in a collective.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from offload.checkpoint.format import (
     holds_checkpoint,
     rank_file,
     read_manifest,
+    replaced_twin,
     resolve,
     verified_extras,
     write_synced,
@@ -183,8 +189,9 @@ def _agree(action, acting: bool, *args):
 
 
 def _prepare(save_dir: str, final: str, partial: str) -> None:
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} exists; checkpoints are never overwritten: pass another tag or remove it")
+    if os.path.lexists(final) and not os.path.isfile(os.path.join(final, MANIFEST)):
+        raise CheckpointError(f"{final} exists and is not an offload checkpoint, which a save would replace; pass "
+                              "another tag or move it away")
     if not os.path.isdir(save_dir):
         os.makedirs(save_dir)
         fsync_dir(os.path.dirname(os.path.abspath(save_dir)))  # the new directory's own entry, durable
@@ -234,13 +241,14 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
             write_synced(os.path.join(partial, name), text.encode())
         write_synced(os.path.join(partial, MANIFEST), encode_manifest(manifest))
         fsync_dir(partial)
-        os.rename(partial, final)
+        replaced = _take_name(save_dir, partial, final)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     latest = os.path.join(save_dir, LATEST)
     try:
         fsync_dir(save_dir)
+        shutil.rmtree(replaced, ignore_errors=True)  # only once the new checkpoint's name is durable
         if not save_latest:
             return
         write_synced(latest + ".partial", manifest.tag.encode())
@@ -250,6 +258,24 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
         what = f"{latest} could not be made to name it" if save_latest else f"syncing {save_dir} failed"
         raise StorageError(exc.errno, f"{final} is complete, but {what} ({exc.strerror}); load it with "
                            f"tag={manifest.tag!r}") from None
+
+
+def _take_name(save_dir: str, partial: str, final: str) -> str:
+    """``partial`` (complete) becomes ``final``. A checkpoint there is first
+    renamed to its replaced twin, whose path this returns for removal once
+    the new name is durable (Note [checkpoint atomicity])."""
+    twin = replaced_twin(final)
+    if os.path.isdir(final):
+        shutil.rmtree(twin, ignore_errors=True)  # ``final`` is complete: a twin left beside it is stale
+        os.rename(final, twin)
+    try:
+        fsync_dir(save_dir)
+        os.rename(partial, final)
+    except BaseException:
+        if os.path.isdir(twin) and not os.path.lexists(final):
+            os.rename(twin, final)  # as it was: the old checkpoint under its name
+        raise
+    return twin
 
 
 def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str | None, dict | None]:

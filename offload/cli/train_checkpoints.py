@@ -65,7 +65,7 @@ def resumed(path: str | None, model: GPTConfig, steps: int) -> Resumed | None:
 def save_steps(save_dir: str | None, interval: int | None, start: int, steps: int) -> list[int]:
     """The steps after which the run saves (every ``interval``, and the last),
     checked now: the directory can be written, and holds none of those tags
-    (checkpoints are never overwritten)."""
+    (a run does not replace another run's checkpoints, as the engine would)."""
     if save_dir is None:
         if interval is not None:
             raise UsageError("--save-interval needs --save DIR, the directory its checkpoints go to")
@@ -81,7 +81,7 @@ def save_steps(save_dir: str | None, interval: int | None, start: int, steps: in
     taken = [tag(s) for s in at if os.path.isfile(os.path.join(save_dir, tag(s), MANIFEST))]
     if taken:
         raise UsageError(f"--save {save_dir} holds {', '.join(taken)} already, which this run would write; "
-                         "checkpoints are never overwritten: choose another directory or remove them")
+                         "offload train does not replace another run's checkpoints: choose another directory or remove them")
     return at
 
 

@@ -242,10 +242,67 @@ def test_a_killed_save_loses_nothing_complete_before(tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text() == "b"
 
 
+def test_a_save_replaces_its_tag_as_deepspeeds_does(tmp_path):
+    """A script saving tag="last" every N steps keeps the newest only."""
+    engine = saved(tmp_path, tags=("last", "last"))
+    expected = engine.state_dict()
+    engine.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["last", "latest"]
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert engine.global_steps == 2
+        state = engine.state_dict()
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+_KILLED_REPLACING = """
+import os, sys
+sys.path.insert(0, {root!r})
+from tests.zero.test_checkpoint import case_config, model, offload, run
+engine = offload.initialize(model(), case_config(2, "cpu", None, None))
+run(engine, [0])
+engine.save_checkpoint({save_dir!r}, "last")
+run(engine, [1])
+real_rename = os.rename
+def die_before_the_new_takes_its_name(src, dst):
+    if src.endswith(".partial"):
+        os.kill(os.getpid(), 9)  # the old checkpoint already set aside
+    real_rename(src, dst)
+os.rename = die_before_the_new_takes_its_name
+engine.save_checkpoint({save_dir!r}, "last")
+"""
+
+
+def test_a_save_killed_while_replacing_its_tag_keeps_the_old_checkpoint(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_REPLACING.format(root=root, save_dir=save_dir)],
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(os.listdir(save_dir)) == [".last.partial", ".last.replaced", "latest"]
+    assert checkpoint.resolve(save_dir, "last") == os.path.join(save_dir, ".last.replaced")
+    assert checkpoint.read_manifest(checkpoint.resolve(os.path.join(save_dir, "last"))).training.global_steps == 1
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        engine.load_checkpoint(save_dir)
+        assert engine.global_steps == 1
+        run(engine, [1])
+        engine.save_checkpoint(save_dir, "last")
+        expected = engine.state_dict()
+    assert sorted(os.listdir(save_dir)) == ["last", "latest"]
+    with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
+        engine.load_checkpoint(save_dir, "last")
+        assert engine.global_steps == 2
+        state = engine.state_dict()
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
 def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     engine = saved(tmp_path, tags=("a",))
-    with pytest.raises(checkpoint.CheckpointError, match="exists; checkpoints are never overwritten"):
-        engine.save_checkpoint(str(tmp_path / "ckpt"), "a")
+    (tmp_path / "ckpt" / "mine").mkdir()
+    (tmp_path / "ckpt" / "mine" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="mine exists and is not an offload checkpoint"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "mine")
+    assert os.listdir(tmp_path / "ckpt" / "mine") == ["notes.txt"]
     with pytest.raises(ValueError, match="plain name"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "../x")
     with pytest.raises(ValueError, match="JSON-serialisable"):

@@ -320,7 +320,7 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
                 real = max(0, min(view.numel(), nbytes - begin))
                 if op == WRITE:
                     crcs.append(given[len(crcs)] if given is not None else _chunk_crc(view, real))
-                    await f.write(view.numpy())
+                    await _write_all(f, view, file.path, offset)
                 else:
                     got = await f.readinto(view.numpy())
                     if got != view.numel():
@@ -331,13 +331,26 @@ async def _aiofiles_request(op: int, file: SwapFile, header: torch.Tensor, data:
                 _finish_header(header, data_crc)
                 offset = 0
                 await f.seek(0)
-                await f.write(header.numpy())
+                await _write_all(f, header, file.path, offset)
             return data_crc
     except OSError as exc:
         if isinstance(exc, SwapIOError):
             raise
         verb = "read" if op == READ else "write"
         raise SwapIOError(f"{verb} {file.path} at offset {offset}: {exc.strerror} (errno {exc.errno})") from exc
+
+
+async def _write_all(f, data: torch.Tensor, path: str, offset: int) -> None:
+    """All of ``data`` at the file's position: a raw file may write part of
+    it, and says why it cannot write the rest only when asked again."""
+    view = memoryview(data.numpy())
+    done = 0
+    while done < len(view):
+        written = await f.write(view[done:])
+        if not written:
+            raise SwapIOError(f"write {path} at offset {offset + done}: short write: {done} of {len(view)} bytes "
+                              "(disk full, or a file size limit?)")
+        done += written
 
 
 _aiofiles_checksum = [0.0]  # CPU seconds of the aiofiles engines' chunk checksums

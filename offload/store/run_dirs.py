@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from offload.errors import UsageError
+from offload.errors import StorageError, UsageError
 
 PREFIX = "offload-run-"
 OWNER = "owner.json"
@@ -54,9 +54,15 @@ def make(nvme_path: str) -> str:
     except OSError as exc:  # os.access passes root where the filesystem refuses (read-only, sysfs)
         raise UsageError(f"nvme_path {nvme_path!r}: cannot make a run directory there ({exc.strerror}); point "
                          "nvme_path at a writable directory on a local disk") from exc
-    fd = os.open(os.path.join(path, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(_me(), f)
+    owner = os.path.join(path, OWNER)
+    try:
+        fd = os.open(owner, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(_me(), f)
+    except OSError as exc:
+        shutil.rmtree(path, ignore_errors=True)
+        raise StorageError(exc.errno, f"nvme_path {nvme_path!r}: cannot write {owner} ({exc.strerror}); free "
+                           "space on that disk or point nvme_path at another") from exc
     return path
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -80,6 +81,8 @@ class _Shard:
     error: Exception | None = None
 
     def expect(self, *states: State) -> None:
+        if self.state is State.FAILED and State.FAILED not in states:
+            raise self.error  # what was lost, and how
         if self.state not in states:
             names = " or ".join(s.value for s in states)
             raise RuntimeError(f"shard {self.key!r} is {self.state.value}, expected {names}")
@@ -111,6 +114,8 @@ def _one_thread(method):
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
+        if self._closed and method.__name__ != "close":
+            raise UsageError(f"TieredStore.{method.__name__} after close(): its swap files are gone")
         me = threading.get_ident()
         if self._holder not in (None, me):
             raise RuntimeError(f"TieredStore.{method.__name__} called on thread {me} while thread {self._holder} "
@@ -160,6 +165,7 @@ class TieredStore:
         pool_setting_name: str = "pinned_limit_bytes",
     ) -> None:
         self._holder: int | None = None  # the thread inside a public method (Note [store threading])
+        self._closed = False
         self._depth = 0
         self.pool = PinnedPool(pinned_limit_bytes, pool_setting_name, pin_memory)
         self.aio = aio
@@ -168,6 +174,7 @@ class TieredStore:
         self._tiers = {Tier.CPU: _Gauge(), Tier.NVME: _Gauge()}
         self.traffic = _Traffic()
         self._cleanup = _Cleanup()
+        self._file_numbers = itertools.count()  # not len(files): a failed put's file leaves that list
         self._finalizer = weakref.finalize(self, self._cleanup)
         if nvme_path is not None:
             _check_directory(nvme_path)
@@ -191,7 +198,11 @@ class TieredStore:
         self._new(key, ShardMeta.of(tensor), Tier(tier)).view(-1).copy_(source)
         shard = self._shards[key]
         if shard.tier is Tier.NVME:
-            self._start_write(shard)
+            try:
+                self._start_write(shard)
+            except BaseException:  # a put that failed leaves no shard behind: the caller may put it again
+                self._forget(shard)
+                raise
 
     @_one_thread
     def create(self, key: str, meta: ShardMeta, tier: Tier | str = Tier.CPU) -> torch.Tensor:
@@ -212,17 +223,18 @@ class TieredStore:
         engine = self._require_engine(key)
         self._reap(block=False)
         buffer = self._acquire(meta.padded_nbytes, key)
-        path = os.path.join(self._cleanup.run_dir, f"shard-{len(self._cleanup.files):06d}.swap")
+        path = os.path.join(self._cleanup.run_dir, f"shard-{next(self._file_numbers):06d}.swap")
         try:
             file = engine.open(path, create=True)
         except SwapIOError:
             self.pool.release(buffer)
             raise
-        self._cleanup.files.append(file)  # removed at close even if the next step fails
+        self._cleanup.files.append(file)  # removed at close, whatever happens next
         try:
             _preallocate(file, HEADER_BYTES + meta.padded_nbytes)
         except SwapIOError:
             self.pool.release(buffer)
+            self._remove_file(file)
             raise
         shard = _Shard(key, meta, tier, State.RESIDENT, file=file, buffer=buffer)
         self._shards[key] = shard
@@ -308,9 +320,9 @@ class TieredStore:
             self._finish_read(shard)
         elif shard.state is State.WRITING:
             self._resident(shard)
-        elif shard.state is State.ON_DISK:
+        elif shard.state in (State.ON_DISK, State.FAILED):  # a lost shard is whole again once rewritten
             shard.buffer = self._acquire(shard.meta.padded_nbytes, key)
-            shard.state = State.RESIDENT
+            shard.state, shard.error = State.RESIDENT, None
         shard.expect(State.RESIDENT)
         return _view(shard)
 
@@ -358,6 +370,7 @@ class TieredStore:
             self._reap(block=True)
         self._finalizer()
         self.pool.trim()
+        self._closed = True
 
     def __enter__(self) -> TieredStore:
         return self
@@ -375,11 +388,13 @@ class TieredStore:
                 raise UsageError(f"the checksums given for shard {shard.key!r} are of another buffer or chunk size; "
                                  "take them from checksum_target while it is resident")
             crcs = checksum.crcs
-        shard.generation += 1
+        # Nothing changes until the write is under way: a shard whose write
+        # could not start stays as it was, its data in its buffer.
         shard.header = shard.header or self._acquire(HEADER_BYTES, shard.key)
-        shard_file.encode(shard.header.data, shard.meta, shard.generation, self.engine.block_size)
+        shard_file.encode(shard.header.data, shard.meta, shard.generation + 1, self.engine.block_size)
         shard.handle = self.engine.submit(WRITE, shard.file, shard.header.data, shard.buffer.data, shard.meta.nbytes,
                                           crcs)
+        shard.generation += 1
         shard.state = State.WRITING
         self._writing.add(shard.key)
         self.traffic.writes += 1
@@ -402,9 +417,9 @@ class TieredStore:
             raise shard.error
         if shard.state is State.WRITING:  # its buffer still holds the data: keep it
             self._finish_write(shard)
+            self._writing.discard(shard.key)
             if shard.state is State.FAILED:
                 raise shard.error
-            self._writing.discard(shard.key)
             shard.state = State.RESIDENT
             self._return_header(shard)
         elif shard.state is State.READING:
@@ -450,6 +465,19 @@ class TieredStore:
             self._return_buffers(shard)
             shard.state = State.ON_DISK
         return failed
+
+    def _forget(self, shard: _Shard) -> None:
+        """A resident nvme shard, gone as if never made."""
+        self._return_buffers(shard)
+        del self._shards[shard.key]
+        self._tiers[Tier.NVME].current -= HEADER_BYTES + shard.meta.padded_nbytes
+        self._remove_file(shard.file)
+
+    def _remove_file(self, file: SwapFile) -> None:
+        self._cleanup.files.remove(file)
+        self.engine.close_file(file)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file.path)
 
     def _fail(self, shard: _Shard, error: Exception) -> None:
         self._return_buffers(shard)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from offload.cli import main
-from offload.errors import UsageError
+from offload.errors import StorageError, UsageError
 from offload.store import TieredStore, run_dirs
 
 CHILD = """
@@ -149,3 +149,15 @@ def test_a_directory_the_filesystem_refuses_to_write_is_named_with_the_fix(tmp_p
         TieredStore(nvme_path=str(tmp_path))
     assert main(["train", "--model", "tiny", "--steps", "1", "--nvme-path", str(tmp_path)]) == 2
     assert "cannot make a run directory there" in capsys.readouterr().err
+
+
+def test_an_owner_file_that_cannot_be_written_is_named_and_leaves_no_directory(tmp_path, monkeypatch):
+    def full_disk(fd, mode):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_dirs.os, "fdopen", full_disk)
+    with pytest.raises(StorageError, match=rf"nvme_path '{tmp_path}': cannot write {tmp_path}/offload-run-\w+/"
+                                           r"owner\.json \(No space left on device\); free space on that disk"):
+        TieredStore(nvme_path=str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -17,8 +17,9 @@ import torch
 from offload import _native
 from offload.errors import UsageError
 from offload.store import AioSettings, PoolExhausted, ShardLost, State, SwapIOError, TieredStore
-from offload.store import shard_file
+from offload.store import run_dirs, shard_file, tiered
 from offload.store.aio import READ
+from offload.store.pool import footprint
 from offload.store.shard_file import HEADER_BYTES, ShardMeta
 
 from .conftest import BACKENDS, requires_native
@@ -297,6 +298,111 @@ def test_a_first_write_that_fails_leaves_no_header(tmp_path):
             assert f.read(8) != shard_file.MAGIC
 
 
+def test_a_failed_write_first_seen_by_get_leaves_the_store_usable(tmp_path):
+    """get() waiting on the write-back finds the failure: that shard is lost,
+    the others and close() go on, and rewriting all of it makes it whole."""
+    store = _store(tmp_path)
+    store.put("a", torch.ones(10_000), "nvme")
+    store.put("b", torch.full((10_000,), 2.0), "nvme")
+    store.flush()
+    (t,) = store.get(["a"])
+    t.mul_(3)
+    store.engine.inject_fault(store._shard("a").file, errno=errno.ENOSPC, file_offset=HEADER_BYTES + 8192)
+    store.release(["a"], dirty=True)
+    with pytest.raises(ShardLost, match="No space left on device"):
+        store.get(["a"])
+    with pytest.raises(ShardLost, match="No space left on device"):  # what was lost, not a bare state error
+        store.release(["a"])
+    assert torch.equal(store.get(["b"])[0], torch.full((10_000,), 2.0))
+    store.release(["b"])
+    store.flush()
+    store.put("c", torch.ones(10), "nvme")
+    store.engine.inject_fault(None)  # the disk recovers
+    store.overwrite("a", torch.full((10_000,), 4.0))
+    store.flush()
+    assert torch.equal(store.get(["a"])[0], torch.full((10_000,), 4.0))
+    run_dir = store.run_dir
+    store.close()
+    assert not os.path.exists(run_dir)
+
+
+def test_a_write_that_cannot_start_changes_nothing(tmp_path):
+    """A full pool when a write-back needs its header buffer: the shard stays
+    resident, unwritten, so a retry once there is room writes it; a put that
+    fails so leaves no shard, so it can be put again."""
+    meta = ShardMeta((10_000,), torch.float32)
+    limit = footprint(meta.padded_nbytes) + footprint(4096 * 4)
+    store = _store(tmp_path, limit=limit)
+    store.put("b", torch.ones(4096), "nvme")
+    store.flush()
+    store.get(["b"])
+    store.create("a", meta, "nvme").fill_(7.0)  # the pool is full now
+    with pytest.raises(PoolExhausted):
+        store.release(["a"])
+    assert store.state("a") is State.RESIDENT
+    store.release(["b"])
+    store.release(["a"])
+    store.flush()
+    assert torch.equal(store.get(["a"])[0], torch.full((10_000,), 7.0))
+    store.release(["a"])
+    store.get(["b"])
+    with pytest.raises(PoolExhausted):
+        store.put("y", torch.full((10_000,), 3.0), "nvme")
+    assert "y" not in store
+    store.release(["b"])
+    store.put("y", torch.full((10_000,), 3.0), "nvme")
+    store.flush()
+    assert torch.equal(store.get(["y"])[0], torch.full((10_000,), 3.0))
+    store.close()
+
+
+def test_a_put_whose_file_cannot_be_allocated_leaves_nothing_open(tmp_path, monkeypatch):
+    def full_disk(file, nbytes):
+        raise SwapIOError(f"preallocate {nbytes:,} bytes for {file.path}: No space left on device (errno 28)")
+
+    with _store(tmp_path) as store:
+        fds = len(os.listdir("/proc/self/fd"))
+        with monkeypatch.context() as patch:
+            patch.setattr(tiered, "_preallocate", full_disk)
+            for i in range(5):
+                with pytest.raises(SwapIOError, match="No space left"):
+                    store.put(f"k{i}", torch.ones(1000), "nvme")
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert os.listdir(store.run_dir) == [run_dirs.OWNER]
+        assert store.keys() == [] and store.stats()["nvme"]["bytes"] == 0
+        store.put("k", torch.ones(1000), "nvme")  # a new file, beside none of the failed ones
+        store.flush()
+        assert torch.equal(store.get(["k"])[0], torch.ones(1000))
+
+
+_SHORT_WRITE = """
+import resource, sys, torch
+from offload.store import AioSettings, TieredStore
+from offload.store.shard_file import HEADER_BYTES
+store = TieredStore(sys.argv[1], aio=AioSettings(block_size=8192, backend="aiofiles"))
+store.put("s", torch.zeros(8192), "nvme")
+store.flush()
+store.get(["s"])[0].fill_(1.0)
+resource.setrlimit(resource.RLIMIT_FSIZE, (HEADER_BYTES + 3 * 8192 + 100, resource.RLIM_INFINITY))
+store.release(["s"], dirty=True)
+try:
+    store.flush()
+    print("flushed", store.state("s").name)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_short_write_fails_the_write_back(tmp_path):
+    """A file that takes only part of a chunk (a size limit, here) fails the
+    write-back then, naming why, instead of leaving a file that fails its
+    checksum at the next read."""
+    proc = subprocess.run([sys.executable, "-c", _SHORT_WRITE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ShardLost") and "File too large" in proc.stdout, proc.stdout
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_tmpfs_works_with_a_warning():
     with pytest.warns(RuntimeWarning, match="tmpfs"):
@@ -396,6 +502,10 @@ def test_bad_use_is_refused_clearly(tmp_path):
         store.flush()
         with pytest.raises(RuntimeError, match="is on_disk, expected resident"):
             store.release(["n"], dirty=True)
+    for use in (lambda: store.put("m", torch.zeros(3), "nvme"), lambda: store.get(["n"]),
+                lambda: store.prefetch(["n"])):
+        with pytest.raises(UsageError, match=r"TieredStore\.\w+ after close\(\): its swap files are gone"):
+            use()
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

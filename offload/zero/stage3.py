@@ -415,6 +415,7 @@ class PartitionedWeights:
         """``part`` (in host memory if ``on_host``, else on the accelerator) becomes
         m's part in its tier. An upload to the accelerator is waited for before
         ``part``'s memory is reused (``_land_uploads``)."""
+        self._forget_ahead(m)
         if m.tier == "none":
             if m.key not in self._shards:
                 self._shards[m.key] = torch.empty(part.shape, dtype=self.dtype, device=self.device)
@@ -431,6 +432,17 @@ class PartitionedWeights:
             self.store.overwrite(m.key, host)  # the old part is not read back first
         if landed is not None:
             landed.release()
+
+    def _forget_ahead(self, m: _Managed) -> None:
+        """m's part is about to change: what was read or uploaded of it ahead
+        is stale (a pass that ended early left it, and a load is writing)."""
+        if m in self._uploaded:
+            pending, _ = self._uploaded.pop(m)
+            pending.release()
+            self._done_with_shard(m)
+            self.live_elements -= m.slot.numel
+        if self._read_ahead.pop(m.key, None) is not None:
+            self.ahead_elements -= m.slot.numel
 
     def _land_uploads(self) -> None:
         for pending in self._uploads:

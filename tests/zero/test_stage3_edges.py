@@ -325,3 +325,39 @@ def test_a_forward_that_raises_gives_back_its_weights_and_the_next_call_begins_a
         assert engine.weights.uploads_ahead > ahead  # the calls followed the recorded order
         assert torch.equal(again, expected)
         assert all(state is ParamState.PARTITIONED for state in engine.weights.states().values())
+
+
+class _FrozenMiddle(nn.Module):
+    """Frozen layers (a checkpoint carries them apart from the optimizer's
+    state) before a trained head; ``stop`` ends the forward early."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.f1, self.f2, self.f3 = (nn.Linear(16, 16) for _ in range(3))
+        for layer in (self.f1, self.f2, self.f3):
+            layer.requires_grad_(False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, stop=False):
+        x = self.f1(x)
+        if stop:
+            return x.sum()
+        return self.head(self.f3(self.f2(x))).square().mean()
+
+
+def test_weights_assigned_after_a_pass_that_ended_early_are_what_gathers_next():
+    """A pass that stops early leaves the weights it uploaded ahead unused; a
+    frozen weight assigned next (as loads assign a checkpoint's) replaces its
+    upload, not the reverse."""
+    cfg = config(3, "cpu", 1, None, param_device="cpu")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with offload.initialize(_FrozenMiddle(seed=0), cfg) as engine, torch.no_grad():
+        for _ in range(2):
+            engine(torch.ones(4, 16))  # the order is recorded, then followed
+        engine(torch.ones(4, 16), stop=True)
+        new = torch.full((256,), 5.0)
+        engine.assign_others({"f2.weight": lambda lo, hi: new[lo:hi]})
+        assert torch.equal(engine.state_dict()["f2.weight"], new.view(16, 16))
+        with engine.gathered([engine.module.f2.weight]):
+            assert torch.equal(engine.module.f2.weight, new.view(16, 16))

@@ -411,11 +411,15 @@ class Engine:
         return self.config.gradient_clipping
 
     def __iter__(self):
-        """Unpacking the engine as DeepSpeed's initialize returns is an error that says so."""
+        """Unpacking the engine as DeepSpeed's initialize returns is an error
+        that says so. Nothing else holds the engine then (``engine, *_ =
+        offload.initialize(...)`` binds no name), so it closes first, giving
+        the model back for the corrected line."""
+        self.close()
         raise TypeError("offload.initialize returns the engine alone, not DeepSpeed's (engine, optimizer, "
                         "dataloader, lr_scheduler): write `engine = offload.initialize(...)`; the optimizer and the "
                         "schedule run inside engine.step() (engine.get_lr() reads the rate), and batches come from "
-                        "your own data loader")
+                        "your own data loader. This engine is closed and gave the model back")
 
     def __getattr__(self, name: str):
         """Only for names the engine lacks: DeepSpeed's are told where each went."""
@@ -441,6 +445,11 @@ class Engine:
     @property
     def world_size(self) -> int:
         """As in DeepSpeed: the data-parallel ranks."""
+        return self.world
+
+    @property
+    def dp_world_size(self) -> int:
+        """DeepSpeed's other name for ``world_size``: every rank is data-parallel here."""
         return self.world
 
     @property

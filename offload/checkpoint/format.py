@@ -21,6 +21,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import typing
 import zlib
 from dataclasses import dataclass, field
@@ -231,6 +232,15 @@ def complete(directory: str) -> str | None:
     return None
 
 
+def _tags(save_dir: str) -> list[str]:
+    """The tags that load from ``save_dir`` (a replaced twin's too)."""
+    if not os.path.isdir(save_dir):
+        return []
+    twin = re.compile(r"\.(.+)\.replaced")
+    names = {m.group(1) if (m := twin.fullmatch(name)) else name for name in os.listdir(save_dir)}
+    return sorted(t for t in names if not t.startswith(".") and complete(os.path.join(save_dir, t)))
+
+
 def holds_checkpoint(path: str) -> bool:
     """``resolve(path)`` finds something to load, or to refuse by name: a
     checkpoint, a ``latest``, or a DeepSpeed checkpoint's files."""
@@ -255,8 +265,7 @@ def resolve(path: str, tag: str | None = None) -> str:
     if (found := complete(directory)) is not None:
         return found
     if not os.path.isdir(directory):
-        tags = sorted(t for t in os.listdir(path) if not t.startswith(".")  # a save's own, or its replaced twin
-                      and os.path.isfile(os.path.join(path, t, MANIFEST))) if os.path.isdir(path) else []
+        tags = _tags(path)
         raise CheckpointError(f"{path} has no checkpoint tagged {tag!r}; "
                               + (f"its tags: {', '.join(tags)}" if tags else "it holds no complete checkpoint"))
     _refuse_deepspeeds(directory)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import shutil
 import zlib
@@ -122,10 +121,8 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     tag = f"global_step{progress.global_steps}" if tag is None else str(tag)
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise UsageError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.', not {LATEST!r})")
-    try:
-        client = json.loads(json.dumps(client_state or {}))
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"client_state must be JSON-serialisable: {exc}") from None
+    client = client_state or {}
+    _refuse_what_json_changes(client, "client_state")
     _agree(engine.synchronize, True)  # a write-back failing on one rank must not leave the others waiting
     progress = engine.training_state()
     final = os.path.join(save_dir, tag)
@@ -156,6 +153,27 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     )
     _agree(_publish, engine.rank == 0, save_dir, final, partial, manifest, configs, save_latest)
     return final
+
+
+def _refuse_what_json_changes(value: Any, where: str) -> None:
+    """The manifest keeps ``client_state`` as JSON: a value that would come
+    back as something else (DeepSpeed pickles it, so scripts pass tensors,
+    int keys, tuples) is refused here, by its place, not changed silently."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UsageError(f"{where} has the key {key!r} ({type(key).__name__}), which a checkpoint's JSON "
+                                 f"would give back as the string {str(key)!r}: make the key a string")
+            _refuse_what_json_changes(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_what_json_changes(item, f"{where}[{i}]")
+    elif isinstance(value, tuple):
+        raise UsageError(f"{where} is a tuple, which a checkpoint's JSON would give back as a list: pass a list")
+    elif not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise UsageError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint's "
+                         "JSON cannot hold: store numbers, strings, lists and dicts with string keys (a tensor's "
+                         ".item() or .tolist())")
 
 
 def _resolve_any(load_dir: str, tag: str | None) -> str | None:

@@ -281,6 +281,8 @@ def test_a_save_killed_while_replacing_its_tag_keeps_the_old_checkpoint(tmp_path
     assert proc.returncode == -9, proc.stderr
     assert sorted(os.listdir(save_dir)) == [".last.partial", ".last.replaced", "latest"]
     assert checkpoint.resolve(save_dir, "last") == os.path.join(save_dir, ".last.replaced")
+    with pytest.raises(checkpoint.CheckpointError, match="has no checkpoint tagged 'zzz'; its tags: last$"):
+        checkpoint.resolve(save_dir, "zzz")
     assert checkpoint.read_manifest(checkpoint.resolve(os.path.join(save_dir, "last"))).training.global_steps == 1
     with offload.initialize(model(), case_config(2, "cpu", None, None)) as engine:
         engine.load_checkpoint(save_dir)
@@ -305,8 +307,16 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     assert os.listdir(tmp_path / "ckpt" / "mine") == ["notes.txt"]
     with pytest.raises(ValueError, match="plain name"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "../x")
-    with pytest.raises(ValueError, match="JSON-serialisable"):
-        engine.save_checkpoint(str(tmp_path / "ckpt"), "c", client_state={"x": object()})
+    for client, message in [
+        ({"x": object()}, r"client_state\['x'\] is a builtins.object, which a checkpoint's JSON cannot hold"),
+        ({"best": [torch.tensor(0.5)]}, r"client_state\['best'\]\[0\] is a torch.Tensor, .*\(a tensor's \.item\(\)"),
+        ({"n": np.int64(3)}, r"client_state\['n'\] is a numpy.int64"),
+        ({"seen": {3: 10}}, r"client_state\['seen'\] has the key 3 \(int\), which .* as the string '3'"),
+        ({"pair": (1, 2)}, r"client_state\['pair'\] is a tuple, which .* as a list: pass a list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.save_checkpoint(str(tmp_path / "ckpt"), "c", client_state=client)
+    assert not (tmp_path / "ckpt" / "c").exists()
     engine.backward(engine(batch(9, 0, 0)))  # accumulation 1: the boundary, but no step yet
     with pytest.raises(ValueError, match="middle of gradient accumulation"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "c")

@@ -686,6 +686,22 @@ def test_deepspeeds_engine_methods(tmp_path):
         assert (engine.loss_scale, engine.skipped_steps, engine.applied_steps) == (2.0**7, 1, 1)
 
 
+def test_unpacking_the_engine_as_deepspeeds_closes_it_and_gives_the_model_back(tmp_path):
+    """`engine, *_ = offload.initialize(...)` binds nothing: the engine it
+    built must not keep the model, or the corrected line is refused."""
+    model = make_model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = config(3, "nvme", 1, str(tmp_path), param_device="nvme")
+    with pytest.raises(TypeError, match=r"returns the engine alone, not DeepSpeed's \(engine, optimizer.* This "
+                                        r"engine is closed and gave the model back"):
+        engine, *_ = offload.initialize(model, cfg)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert [n for n in os.listdir(tmp_path) if n.startswith("offload-run-")] == []
+    with offload.initialize(model, cfg) as engine:
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+
+
 def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
     """A script written for DeepSpeed: model_parameters is param_groups, the
     getters answer as there, and what offload does elsewhere is said by name."""
@@ -698,9 +714,7 @@ def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
         assert engine.group_of(names[id(groups[1]["params"][0])]).weight_decay == 0.0
         assert engine.group_of(names[id(decayed[0])]).weight_decay == cfg["optimizer"]["params"]["weight_decay"]
         assert (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.gradient_clipping()) == (False, False, 0.5)
-        assert (engine.global_rank, engine.world_size) == (0, 1)
-        with pytest.raises(TypeError, match=r"returns the engine alone, not DeepSpeed's \(engine, optimizer"):
-            _, _, _, _ = engine
+        assert (engine.global_rank, engine.world_size, engine.dp_world_size) == (0, 1, 1)
         for name, where in (("lr_scheduler", "the config's scheduler section runs inside engine.step"),
                             ("no_sync", "gradient_accumulation_steps"), ("get_loss_scale", "engine.loss_scale"),
                             ("parameters", "engine.module is the model"), ("half", "sets the compute dtype")):

@@ -26,8 +26,8 @@ DeepSpeed:
     an fp16 overflow leaves the rate where it was. Clipping
     (``max_grad_norm``) is the engine's, from the config;
   - a Trainer checkpoint holds an engine checkpoint (``offload/`` inside
-    ``checkpoint-N``, ``offload.next/`` when written again: ``latest`` names
-    it) beside the scheduler, RNG and trainer state, so
+    ``checkpoint-N``, replaced as the engine replaces a tag when a resumed run
+    writes checkpoint-N again) beside the scheduler, RNG and trainer state, so
     ``resume_from_checkpoint`` restores every bit of the training state, and
     the consolidated weights with ``config.json``, which ``from_pretrained``
     reads. For a PEFT model, as the Trainer has DeepSpeed do: the adapter
@@ -53,7 +53,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable
 
@@ -68,7 +67,6 @@ from offload.engine import LR_RESUMES
 from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.peft_models import is_peft_model
 from offload.schedule import schedule_of
-from offload.zero import comm
 from offload.zero.materialize import is_meta
 
 try:
@@ -78,7 +76,7 @@ except ImportError as e:  # the [hf] extra
 
 # The engine checkpoint's directory inside a Trainer checkpoint, and the one it takes when that
 # checkpoint is written again; `latest` names the complete one.
-ENGINE_CHECKPOINTS = ("offload", "offload.next")
+ENGINE_CHECKPOINT = "offload"
 SCHEDULER_FILE = "scheduler.pt"  # the name Trainer uses, so its own tools find it
 EXACT_ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values that are plain AdamW
 
@@ -322,6 +320,10 @@ class OffloadTrainer(transformers.Trainer):
         args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
         if args.deepspeed or args.fsdp:
             raise UsageError("OffloadTrainer replaces DeepSpeed and FSDP: drop TrainingArguments.deepspeed / fsdp")
+        full_eval = [name for name in ("bf16_full_eval", "fp16_full_eval") if getattr(args, name, False)]
+        if full_eval:
+            raise UsageError(f"TrainingArguments.{full_eval[0]} would cast the engine's weights: OffloadTrainer "
+                             "evaluates in the engine's compute dtype (offload_config's bf16 or fp16 section); drop it")
         if args.load_best_model_at_end:
             raise UsageError("TrainingArguments.load_best_model_at_end is not supported by OffloadTrainer yet: "
                              "load the best checkpoint's weights with offload.load_weights into a fresh engine")
@@ -454,26 +456,29 @@ class OffloadTrainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # A run resumed from an earlier checkpoint writes checkpoint-N again. The engine
-        # checkpoint there is never replaced in place: the new one takes the other of the two
-        # tags, `latest` switches to it as it completes, and only then does the earlier go, so
-        # a process killed at any point leaves `latest` naming a complete one.
-        earlier = comm.all_gather_object(latest_tag(output_dir))[0]  # rank 0's: every rank writes one tag
-        tag = ENGINE_CHECKPOINTS[1] if earlier == ENGINE_CHECKPOINTS[0] else ENGINE_CHECKPOINTS[0]
-        if self.engine.rank == 0:
-            shutil.rmtree(os.path.join(output_dir, tag), ignore_errors=True)  # not the latest: a stale one
-        # A PEFT model's base stays as loaded: its checkpoints leave it out, as the Trainer has DeepSpeed do.
-        self.engine.save_checkpoint(output_dir, tag=tag, exclude_frozen_parameters=is_peft_model(self.model))
-        if self.engine.rank == 0 and earlier in ENGINE_CHECKPOINTS:
-            shutil.rmtree(os.path.join(output_dir, earlier), ignore_errors=True)
+        # A run resumed from an earlier checkpoint writes checkpoint-N again: the engine replaces
+        # the checkpoint there so that a process killed at any point leaves a complete one
+        # (Note [checkpoint atomicity]). A PEFT model's base stays as loaded: its checkpoints
+        # leave it out, as the Trainer has DeepSpeed do.
+        self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
+                                    exclude_frozen_parameters=is_peft_model(self.model))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine checkpoint (``_load_optimizer_and_scheduler``)."""
-        if latest_tag(resume_from_checkpoint) not in ENGINE_CHECKPOINTS:
-            raise CheckpointError(f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINTS[0]}/): "
-                                  "resume from a checkpoint an OffloadTrainer saved")
+        if latest_tag(resume_from_checkpoint) != ENGINE_CHECKPOINT:
+            # A Trainer's checkpoint with neither optimizer nor schedule is one save_only_model wrote.
+            def has(name: str) -> bool:
+                return os.path.exists(os.path.join(resume_from_checkpoint, name))
+
+            weights_only = has(transformers.trainer.TRAINER_STATE_NAME) and \
+                not any(map(has, (transformers.trainer.OPTIMIZER_NAME, SCHEDULER_FILE)))
+            raise CheckpointError(
+                f"{resume_from_checkpoint} has no engine checkpoint ({ENGINE_CHECKPOINT}/): " +
+                ("it was saved with TrainingArguments.save_only_model, which keeps the weights alone; start a new run "
+                 "from them (offload.from_pretrained) or save without save_only_model to resume" if weights_only
+                 else "resume from a checkpoint an OffloadTrainer saved"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -22,7 +22,7 @@ import torch
 import offload
 from offload.peft_models import checkpoint_names
 from offload.config import Config
-from offload.errors import ConfigError, UsageError
+from offload.errors import CheckpointError, ConfigError, UsageError
 from offload.optim.group_runs import GroupHyper
 from offload.safetensors_file import write_safetensors
 
@@ -195,8 +195,26 @@ def test_resuming_from_an_earlier_checkpoint_of_the_same_run_writes_the_later_on
                         resume=str(tmp_path / "run" / "checkpoint-10"))
     resumed.engine.close()
     assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
-    assert (later / "latest").read_text() == "offload.next" and not (later / "offload").exists()
+    assert (later / "latest").read_text() == "offload"
+    assert offload.checkpoint.read_manifest(str(later / "offload")).training.global_steps == 20
     assert not [name for name in os.listdir(later) if name.startswith(".")]
+
+
+def test_resuming_from_a_checkpoint_saved_with_save_only_model_names_it(tmp_path):
+    def trainer():
+        args = run.arguments(str(tmp_path / "run"), save_steps=10)
+        args.save_only_model = True
+        return OffloadTrainer(model=run.tiny_gpt2(), args=args, train_dataset=run.Tokens(),
+                              offload_config=run.offload_config(2), nvme_path=str(tmp_path))
+
+    first = trainer()
+    first.train()
+    first.engine.close()
+    again = trainer()
+    with pytest.raises(CheckpointError, match="checkpoint-10 has no engine checkpoint .*saved with "
+                                              "TrainingArguments.save_only_model, which keeps the weights alone"):
+        again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    again.engine.close()
 
 
 def test_a_checkpoint_written_again_and_killed_anywhere_keeps_one_complete(tmp_path, monkeypatch):
@@ -219,7 +237,7 @@ def test_a_checkpoint_written_again_and_killed_anywhere_keeps_one_complete(tmp_p
             break
     assert killed >= 4
     kill.arm(0)
-    assert sorted(os.listdir(directory)).count("offload") + sorted(os.listdir(directory)).count("offload.next") == 1
+    assert "offload" in os.listdir(directory) and not [n for n in os.listdir(directory) if n.startswith(".")]
     expected = trainer.engine.state_dict()
     trainer.engine.close()
     resumed = run.train(str(tmp_path / "again"), 2, nvme=str(tmp_path / "nvme2"), resume=directory)
@@ -595,6 +613,8 @@ def test_settings_the_engine_replaces_are_refused(tmp_path):
                                                save_strategy="steps"), offload_config=config)
     with pytest.raises(UsageError, match="needs offload_config"):
         OffloadTrainer(model=model, args=_args(tmp_path))
+    with pytest.raises(UsageError, match="TrainingArguments.bf16_full_eval would cast the engine's weights"):
+        OffloadTrainer(model=model, args=_args(tmp_path, bf16_full_eval=True), offload_config=config)
     # a scheduler section is checked at construction, its step counts in train()
     with pytest.raises(ConfigError, match="scheduler.type"):
         OffloadTrainer(model=model, args=_args(tmp_path), offload_config={**config, "scheduler": {"type": "OneCycle"}})

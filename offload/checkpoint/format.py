@@ -222,13 +222,22 @@ def replaced_twin(directory: str) -> str:
     return os.path.join(parent, f".{name}.replaced")
 
 
+def partial_twin(directory: str) -> str:
+    """Where a save writes ``directory`` before it takes that name."""
+    parent, name = os.path.split(os.path.normpath(directory))
+    return os.path.join(parent, f".{name}.partial")
+
+
 def complete(directory: str) -> str | None:
     """The complete checkpoint for ``directory``: itself if it holds a
     manifest, else its replaced twin if a save replacing it died between its
-    two renames; None where neither is complete."""
-    for candidate in (directory, replaced_twin(directory)):
-        if os.path.isfile(os.path.join(candidate, MANIFEST)):
-            return candidate
+    two renames (the new one still partial: later, a twin left is stale);
+    None where neither is."""
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        return directory
+    twin = replaced_twin(directory)
+    if os.path.isfile(os.path.join(twin, MANIFEST)) and os.path.isdir(partial_twin(directory)):
+        return twin
     return None
 
 

@@ -47,10 +47,12 @@ from offload.checkpoint.format import (
     RankFile,
     SectionWriter,
     TrainingState,
+    complete,
     encode_manifest,
     fsync_dir,
     file_crc32,
     holds_checkpoint,
+    partial_twin,
     rank_file,
     read_manifest,
     replaced_twin,
@@ -126,7 +128,7 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     _agree(engine.synchronize, True)  # a write-back failing on one rank must not leave the others waiting
     progress = engine.training_state()
     final = os.path.join(save_dir, tag)
-    partial = os.path.join(save_dir, f".{tag}.partial")
+    partial = partial_twin(final)
     _agree(_prepare, engine.rank == 0, save_dir, final, partial)
     try:
         crcs = _agree(_write_rank, True, engine, partial)
@@ -207,9 +209,13 @@ def _agree(action, acting: bool, *args):
 
 
 def _prepare(save_dir: str, final: str, partial: str) -> None:
+    twin = replaced_twin(final)
+    if complete(final) == twin:  # a save replacing it died between its renames: the old one takes its name back
+        os.rename(twin, final)
     if os.path.lexists(final) and not os.path.isfile(os.path.join(final, MANIFEST)):
         raise CheckpointError(f"{final} exists and is not an offload checkpoint, which a save would replace; pass "
                               "another tag or move it away")
+    _remove(twin)  # stale: a save that died after the new one took the name
     if not os.path.isdir(save_dir):
         os.makedirs(save_dir)
         fsync_dir(os.path.dirname(os.path.abspath(save_dir)))  # the new directory's own entry, durable
@@ -266,11 +272,12 @@ def _publish(save_dir: str, final: str, partial: str, manifest: Manifest, config
     latest = os.path.join(save_dir, LATEST)
     try:
         fsync_dir(save_dir)
-        shutil.rmtree(replaced, ignore_errors=True)  # only once the new checkpoint's name is durable
+        _remove(replaced)  # only once the new checkpoint's name is durable
         if not save_latest:
             return
-        write_synced(latest + ".partial", manifest.tag.encode())
-        os.replace(latest + ".partial", latest)
+        beside = os.path.join(save_dir, f".{LATEST}.partial")  # hidden: no tag can take its name
+        write_synced(beside, manifest.tag.encode())
+        os.replace(beside, latest)
         fsync_dir(save_dir)
     except OSError as exc:  # the checkpoint stands: say so, rather than call it failed
         what = f"{latest} could not be made to name it" if save_latest else f"syncing {save_dir} failed"
@@ -283,17 +290,24 @@ def _take_name(save_dir: str, partial: str, final: str) -> str:
     renamed to its replaced twin, whose path this returns for removal once
     the new name is durable (Note [checkpoint atomicity])."""
     twin = replaced_twin(final)
-    if os.path.isdir(final):
-        shutil.rmtree(twin, ignore_errors=True)  # ``final`` is complete: a twin left beside it is stale
+    if os.path.lexists(final):
         os.rename(final, twin)
     try:
         fsync_dir(save_dir)
         os.rename(partial, final)
     except BaseException:
-        if os.path.isdir(twin) and not os.path.lexists(final):
+        if os.path.lexists(twin) and not os.path.lexists(final):
             os.rename(twin, final)  # as it was: the old checkpoint under its name
         raise
     return twin
+
+
+def _remove(path: str) -> None:
+    """A directory, or a link (a tag may be a link to another checkpoint)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str | None, dict | None]:

@@ -6,6 +6,7 @@ leaves every earlier checkpoint loadable."""
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import zlib
@@ -255,6 +256,44 @@ def test_a_save_replaces_its_tag_as_deepspeeds_does(tmp_path):
         assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 
+def test_a_replaced_checkpoint_left_behind_never_loads_as_its_tag(tmp_path):
+    """A save killed after the new checkpoint took the name, before the old
+    one was removed, leaves a twin that is stale: deleting the tag later must
+    not bring the old checkpoint back, and the next save removes it."""
+    engine = saved(tmp_path, tags=("last", "last"))
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(save_dir / "last", save_dir / ".last.replaced")
+    assert checkpoint.resolve(str(save_dir), "last") == str(save_dir / "last")
+    run(engine, [2])
+    engine.save_checkpoint(str(save_dir), "other")
+    engine.save_checkpoint(str(save_dir), "last")
+    assert sorted(os.listdir(save_dir)) == ["last", "latest", "other"]
+    shutil.copytree(save_dir / "last", save_dir / ".last.replaced")
+    shutil.rmtree(save_dir / "last")
+    with pytest.raises(checkpoint.CheckpointError, match="has no checkpoint tagged 'last'; its tags: other$"):
+        checkpoint.resolve(str(save_dir), "last")
+    engine.close()
+
+
+def test_odd_tags_are_replaced_as_any_other(tmp_path):
+    """A tag that is a link to another checkpoint, and one named as the file
+    `latest` is written through."""
+    engine = saved(tmp_path, tags=("a",))
+    save_dir = tmp_path / "ckpt"
+    os.symlink("a", save_dir / "best")
+    for step in (1, 2):
+        run(engine, [step])
+        engine.save_checkpoint(str(save_dir), "best")
+        assert checkpoint.read_manifest(str(save_dir / "best")).training.global_steps == step + 1
+    assert not (save_dir / "best").is_symlink() and (save_dir / "a").is_dir()
+    engine.save_checkpoint(str(save_dir), "latest.partial")
+    run(engine, [3])
+    engine.save_checkpoint(str(save_dir), "b")
+    assert (save_dir / "latest").read_text() == "b"
+    assert sorted(os.listdir(save_dir)) == ["a", "b", "best", "latest", "latest.partial"]
+    engine.close()
+
+
 _KILLED_REPLACING = """
 import os, sys
 sys.path.insert(0, {root!r})
@@ -288,6 +327,14 @@ def test_a_save_killed_while_replacing_its_tag_keeps_the_old_checkpoint(tmp_path
         engine.load_checkpoint(save_dir)
         assert engine.global_steps == 1
         run(engine, [1])
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+
+        with pytest.MonkeyPatch.context() as patch:  # the next save fails too, while writing
+            patch.setattr(save_load, "_write_rank", full_disk)
+            with pytest.raises(OSError, match="No space left"):
+                engine.save_checkpoint(save_dir, "last")
+        assert checkpoint.read_manifest(checkpoint.resolve(save_dir, "last")).training.global_steps == 1
         engine.save_checkpoint(save_dir, "last")
         expected = engine.state_dict()
     assert sorted(os.listdir(save_dir)) == ["last", "latest"]

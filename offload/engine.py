@@ -477,8 +477,8 @@ class Engine:
         if self._holding:
             raise UsageError("engine.step() inside `with engine.gathered(...)`: the step publishes new weights, "
                              "which the parameters held whole would not show; step after the block")
+        self._keep_changes_in_place()  # may refuse a change: the window stays open for the step after
         self._window_ended, self.pending_micro_steps = False, 0
-        self._keep_changes_in_place()
         self.times = PhaseTimes()
         start = time.perf_counter()
         self.reducer.at_boundary()

@@ -203,6 +203,7 @@ class GradientReducer:
             for bucket in self.layout.buckets:
                 self._reduce(bucket, self._flat[bucket.flat_range()])
             self._flat.zero_()
+            self.gradient.end_of_backward()  # these parts, like a backward's, land before anyone reads
 
     @property
     def device_bytes(self) -> int:

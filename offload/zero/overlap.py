@@ -249,13 +249,20 @@ class OverlappedStep:
         # In any order: each sub-group's parts land on their own (Note [landing off backward's thread]).
         taken = [bases for task, bases in self._tasks if task.cancel()]
         tasks, self._tasks = self._tasks, []
-        try:
-            for task, _ in tasks:
-                if not task.cancelled():
-                    task.result()  # re-raises the worker's error here
-        finally:
-            self.join_seconds += time.perf_counter() - start
-            self._spare.extend(bases for bases in taken if bases is not None)
+        errors = []
+        for task, _ in tasks:  # every started one, so none is still in the store when this returns or raises
+            if not task.cancelled():
+                try:
+                    task.result()
+                except Exception as exc:
+                    errors.append(exc)
+        self.join_seconds += time.perf_counter() - start
+        self._spare.extend(bases for bases in taken if bases is not None)
+        if errors:  # what the others speculated goes back: the step that follows must not keep it
+            if self._stepped:
+                self._roll_back()
+            self._recycle()
+            raise errors[0]
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
         """Keep the speculated sub-groups if the plain step would have computed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -104,7 +105,7 @@ def train_reference(model: nn.Module, steps: int, world: int, accumulation: int,
         for rank in range(world):
             for micro in range(accumulation):
                 (ref(batch(step, micro, rank)) / (world * accumulation)).backward()
-        ref.grad_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"]).item())
+        ref.grad_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["gradient_clipping"] or math.inf).item())
         opt.step()
         if moment_dtype != torch.float32:
             _round_moments(opt, moment_dtype)

@@ -247,6 +247,28 @@ def test_what_reads_the_master_weights_sees_a_change_made_since_the_last_step(tm
         assert torch.equal(other.state_dict()["blocks.1.0.weight"], torch.full_like(w, 0.25))
 
 
+def test_a_step_that_refuses_a_change_leaves_its_window_for_the_next_call():
+    """The refusal comes before the step touches anything: called again, it
+    steps the window, as if the change had never been made."""
+    cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
+    with offload.initialize(make_model(), cfg) as plain, offload.initialize(make_model(), cfg) as changed:
+        for step in range(5):
+            for engine in (plain, changed):
+                engine.backward(engine(batch(step, 0, 0)))
+            if step == 2:
+                with torch.no_grad():
+                    changed.module.blocks[2][0].weight.mul_(0.5)
+                with pytest.raises(UsageError, match=r"^blocks\.2\.0\.weight changed in place .* delayed update"):
+                    changed.step()
+                assert changed.is_boundary and not changed.was_step_applied()
+            for engine in (plain, changed):
+                engine.step()
+                assert engine.was_step_applied()
+        a, b = plain.state_dict(), changed.state_dict()
+        assert changed.global_steps == plain.global_steps == 5
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_change_while_a_delayed_update_is_in_flight_is_an_error_naming_it(tmp_path):
     cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
     with offload.initialize(make_model(), cfg) as engine:

@@ -140,6 +140,46 @@ def test_a_state_dict_between_backward_and_step_sees_the_state_before_the_step(t
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_worker_error_rolls_back_what_the_others_speculated(tmp_path, device):
+    """One sub-group's step fails on the worker (its read, say) after others
+    were stepped: step() raises it with nothing kept, so the next steps are
+    those of a plain engine whose step failed before touching anything."""
+    engines = [offload.initialize(make_model(), _config(tmp_path, 2, device, 1, 1e6, overlap_step))
+               for overlap_step in (False, True)]
+    plain, over = engines
+    speculate, apply = over.optimizer.speculate, plain.update.apply
+    calls = []
+
+    def failing_read(i, *args):
+        calls.append(i)
+        if len(calls) == 1:  # the first the worker takes: the others follow it
+            raise OSError(f"sub-group {i}: read failed")
+        return speculate(i, *args)
+
+    def failing_step(*args):
+        raise OSError("the step failed before it began")
+
+    for step in range(5):
+        for engine in engines:
+            engine.backward(engine(batch(step, 0, 0)))
+        if step == 2:
+            over.optimizer.speculate, plain.update.apply = failing_read, failing_step
+            for engine, message in ((over, r"sub-group \d+: read failed"), (plain, "before it began")):
+                with pytest.raises(OSError, match=message):
+                    engine.step()
+            assert len(calls) > 1  # others were stepped, and must not stand
+            over.optimizer.speculate, plain.update.apply = speculate, apply
+            continue  # the next backward adds to the gradient the failed step left
+        for engine in engines:
+            engine.step()
+    a, b = plain.state_dict(), over.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert over.update.kept > 0
+    for engine in engines:
+        engine.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_a_report_between_backward_and_step_keeps_the_speculation(tmp_path, device):
     """A report only reads counters: the worker is waited for, but what it
     stepped stands, and the step is still bitwise the plain one."""

@@ -22,7 +22,9 @@ Buffers the checkpoint has are copied too; those it lacks keep what the
 model's own initialisation gave them. A PEFT model's keys are also looked for
 under the base model's names (``checkpoint_names``), and its trainable
 parameters the checkpoint lacks (the adapter's own) keep their values, with
-a warning naming them.
+a warning naming them. Keys transformers renames as it loads are found under
+the model's names, and tensors it merges are refused (Note [transformers'
+key conversions]).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from offload.errors import UsageError, in_brief
+from offload.hf_key_names import conversions, refuse_merges
 from offload.peft_models import adapter_own, checkpoint_names
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
@@ -80,6 +83,9 @@ class SafetensorsCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
+    def keys(self) -> list[str]:
+        return list(self.where)
+
     def shape(self, key: str) -> tuple[int, ...]:
         return self.where[key].entries[key][1]
 
@@ -102,10 +108,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
                          f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
-    if isinstance(source, Mapping):
-        checkpoint = TensorsCheckpoint(source)
-    else:
-        checkpoint = SafetensorsCheckpoint(os.fspath(source))
+    checkpoint, merged = _opened(source, engine.module)
     path = checkpoint.name
     try:
         entries = engine.state_entries()
@@ -141,6 +144,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
         if adapter:
             warnings.warn(f"offload.load_weights: {in_brief(adapter)} not in {path}; they keep the values the PEFT "
                           "model gave them (its adapters' own)", UserWarning, stacklevel=2)
+        refuse_merges(merged, missing, names, path)
         if missing:
             named = in_brief(missing)
             if not allow_missing:
@@ -186,6 +190,9 @@ class TensorsCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
 
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].shape)
 
@@ -196,6 +203,38 @@ class TensorsCheckpoint:
         """Nothing to release: the tensors are the caller's."""
 
 
+class RenamedCheckpoint:
+    """A checkpoint's tensors under their own keys, and under the names
+    transformers renames them to (Note [transformers' key conversions])."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint | TensorsCheckpoint, renamed: dict[str, str]) -> None:
+        self.checkpoint, self.renamed, self.name = checkpoint, renamed, checkpoint.name
+
+    def _key(self, key: str) -> str:
+        return key if key in self.checkpoint else self.renamed.get(key, key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.checkpoint or key in self.renamed
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.checkpoint.shape(self._key(key))
+
+    def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        return self.checkpoint.read(self._key(key), lo, hi)
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+
+def _opened(source: str | os.PathLike | Mapping[str, torch.Tensor], model: torch.nn.Module
+            ) -> tuple[RenamedCheckpoint, dict[str, str]]:
+    """The checkpoint, under the names ``model`` loads its keys as, and the
+    model keys only a merge of its tensors would give."""
+    checkpoint = TensorsCheckpoint(source) if isinstance(source, Mapping) else SafetensorsCheckpoint(os.fspath(source))
+    renamed, merged = conversions(model, checkpoint.keys())
+    return RenamedCheckpoint(checkpoint, renamed), merged
+
+
 def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):
     """An ``init_fn`` for a model built on the meta device whose weights will come
     from the checkpoint at ``path``: a module whose own parameters and buffers
@@ -203,7 +242,7 @@ def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.n
     ``load_weights`` overwrites it; any other module gets ``fallback`` (default:
     its ``reset_parameters``), so one without an initialiser of its own is an
     error only when the checkpoint does not cover it."""
-    checkpoint = SafetensorsCheckpoint(path)
+    checkpoint, _ = _opened(path, model)
     checkpoint.close()
     names = checkpoint_names(model)
     keys_of: dict[int, list[str]] = {}  # a tensor's keys, tied ones included

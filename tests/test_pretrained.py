@@ -440,6 +440,54 @@ def test_offload_from_pretrained_builds_and_loads_a_hugging_face_model(tmp_path,
             assert torch.equal(engine(input_ids=ids).logits, expected)
 
 
+def _vit():
+    config = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=16, patch_size=8, num_labels=3)
+    return transformers.ViTForImageClassification(config)
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                        num_local_experts=4)
+    return transformers.MixtralForCausalLM(config)
+
+
+@needs_hf
+def test_a_checkpoint_in_a_layout_transformers_renames_loads_as_transformers_loads_it(tmp_path):
+    """transformers 5 writes ViT under older key names and renames them as it
+    loads (Note [transformers' key conversions]): offload reads them under
+    the model's names, and the model is the one transformers loads."""
+    torch.manual_seed(0)
+    _vit().save_pretrained(str(tmp_path / "hf"))
+    assert "vit.encoder.layer.0.attention.attention.query.weight" in SafetensorsCheckpoint(str(tmp_path / "hf")).keys()
+    expected = transformers.ViTForImageClassification.from_pretrained(str(tmp_path / "hf")).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = offload.from_pretrained(transformers.ViTForImageClassification, str(tmp_path / "hf"),
+                                         config(3, "cpu", 1, param_device="cpu"))
+    with engine:
+        loaded = engine.state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+@needs_hf
+@pytest.mark.parametrize("allow_missing", [False, True])
+def test_a_checkpoint_whose_tensors_transformers_merges_is_refused_with_the_way_round(tmp_path, allow_missing):
+    """Mixtral's experts, one tensor each in the checkpoint, are one stacked
+    tensor in the model: never left as initialised, allow_missing or not."""
+    torch.manual_seed(0)
+    _mixtral().save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(UsageError, match=r"older layout that transformers merges as it loads them \(e.g. "
+                                         r"'\.experts\.\*\.w\d\.weight' -> 'model\.layers\.\d\.mlp\.experts\.\w+'\).* "
+                                         r"load the model with transformers' from_pretrained, then pass it to "
+                                         r"offload.initialize"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            offload.initialize(_mixtral(), config(2, "cpu", 1), weights=str(tmp_path / "hf"),
+                               allow_missing=allow_missing)
+
+
 @needs_hf
 def test_from_pretrained_names_what_it_takes(tmp_path):
     with pytest.raises(UsageError, match=r"takes a transformers model class \(LlamaForCausalLM\) or an Auto class"):

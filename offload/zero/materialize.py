@@ -72,7 +72,7 @@ def model_init(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | No
     ``from_config`` ties after initialising; a parameter neither gives a value
     is an error naming it, as ``default_init`` makes one. None for any other
     model (a PEFT model's base counts): ``default_init``."""
-    base = _hugging_face_model(model)
+    base = hugging_face_model(model)
     if base is None:
         return None
     init_weights = base._init_weights
@@ -105,11 +105,11 @@ def descendant_writer(model: torch.nn.Module) -> Callable[[torch.nn.Module], Non
     the model's ``_init_weights`` (GPT-2's blocks write their children's
     projections, SwitchTransformers' sparse MLP its experts'); None where
     ``model_init`` is."""
-    base = _hugging_face_model(model)
+    base = hugging_face_model(model)
     return None if base is None else base._init_weights
 
 
-def _hugging_face_model(model: torch.nn.Module) -> torch.nn.Module | None:
+def hugging_face_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """The transformers (>= 5) model ``model`` is, or a PEFT model wraps; None for any other."""
     transformers = sys.modules.get("transformers")
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model

@@ -99,12 +99,15 @@ class _Hidden:
                                  "partitioned once its own module was initialised (stage 3 frees each parameter as "
                                  "soon as it is final): an init_fn must initialise only its module's own parameters; "
                                  "give this one its value when init_fn is called with its own module")
+            cast = ("; a model that casts its own weights as it runs must be set to keep the compute dtype, which "
+                    "the engine keeps every weight in (SwitchTransformers' router: router_dtype)"
+                    if name in ("to", "type", *_CASTS) else "")
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
-                             f"outside a forward (this rank holds only its part), so it has no values to "
-                             f"{name.strip('_')}; read or change it inside `with engine.gathered(params)` (a "
+                             f"outside its module's forward (this rank holds only its part), so it has no values for "
+                             f"{name.strip('_')}(); read or change it inside `with engine.gathered(params)` (a "
                              "collective, as DeepSpeed's GatheredParameters; modifier_rank= keeps changes), or read "
                              "weights through model.state_dict() or engine.state_dict() (Note [a parameter without "
-                             "values])")
+                             f"values]){cast}")
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if name in _GUARDED_RESULT and kind != "set":

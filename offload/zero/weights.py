@@ -173,16 +173,25 @@ class ReplicatedWeights:
         """Every parameter must still view the flat buffer: one moved or replaced
         after ``initialize`` (``model.to`` another device, even ``cpu:0`` for
         ``cpu``; ``param.data = ...``) would train a copy that no step updates."""
+        self._check_in_place()
+
+    def end_backward(self, graph_kept: bool = False) -> None:
+        """Also before the step: a forward may have cast its own weights."""
+        self._check_in_place()
+
+    def _check_in_place(self) -> None:
         base, size = self.flat.data_ptr(), self.flat.element_size()
         for slot in self.layout.slots:
+            if slot.param.dtype != self.flat.dtype:
+                raise UsageError(f"parameter {slot.name} is {slot.param.dtype} now, where the engine keeps it "
+                                 f"{self.flat.dtype} (the compute dtype): something cast it after offload.initialize, "
+                                 "so no step would update it; a model that casts its own weights as it runs "
+                                 "(SwitchTransformers' router: router_dtype) must be set to keep the compute dtype")
             if slot.param.data_ptr() != base + slot.offset * size:
                 raise UsageError(f"parameter {slot.name} no longer lives where the engine put it (on "
                                  f"{self.flat.device}): the model was moved or its parameters replaced after "
                                  f"offload.initialize; move the model before initialize, and load weights with "
                                  f"engine.load_checkpoint or offload.load_weights")
-
-    def end_backward(self, graph_kept: bool = False) -> None:
-        pass
 
     def begin_publish(self) -> None:
         """The last publish's uploads read staging, which is about to be rewritten."""

@@ -13,16 +13,18 @@ last step."""
 
 import contextlib
 import functools
+import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import offload
 from offload import _native
 from offload.errors import UsageError
 from offload.zero.stage3 import ParamState
 
-from .harness import batch, config, each_tier, make_model, spawn_ranks
+from .harness import VOCAB, batch, config, each_tier, make_model, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -292,3 +294,37 @@ def test_a_change_while_a_delayed_update_is_in_flight_is_an_error_naming_it(tmp_
         with pytest.raises(UsageError, match=r"modifier_rank=0\) while the delayed update"):
             with engine.gathered(engine.module.blocks[1][0].weight, modifier_rank=0):
                 pass
+
+
+class _CastsItsRouter(nn.Module):
+    """As SwitchTransformers' router: its forward casts a child to fp32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.router = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens):
+        self.router = self.router.to(torch.float32)
+        x = self.embed(tokens)
+        x = x + self.router(x.float()).to(x.dtype)
+        return self.head(x).float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_that_casts_its_own_weights_is_told_so_before_any_step(stage):
+    cfg = config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None, bf16={"enabled": True})
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = offload.initialize(_CastsItsRouter(), cfg)
+    message = (r"router\.weight is torch\.float32 now, where the engine keeps it torch\.bfloat16 .*must be set to "
+               r"keep the compute dtype" if stage == 2 else
+               r"router\.weight: offload stage 3 keeps it partitioned .*no values for to\(\).* a model that casts "
+               r"its own weights as it runs must be set to keep the compute dtype")
+    with pytest.raises(UsageError, match=message):
+        engine.backward(engine(batch(0, 0, 0)))
+    assert engine.global_steps == 0
+    engine.close(restore_model=False)

@@ -320,9 +320,9 @@ class Engine:
         if self._window_ended or self._backward_raised:
             self.update.reopen(self.times)
         last = self._next_backward_ends()
-        self._next_ends = None
         if last:
-            self._keep_changes_in_place()
+            self._keep_changes_in_place()  # may refuse a change: a boundary set for this backward stays set
+        self._next_ends = None
         if last and not self.update.in_flight:
             self.update.begin_backward(1.0 / (self.world * self.scaler.scale), self.global_steps)
         self._backward_raised = True  # until it returns
@@ -413,13 +413,21 @@ class Engine:
     def __iter__(self):
         """Unpacking the engine as DeepSpeed's initialize returns is an error
         that says so. Nothing else holds the engine then (``engine, *_ =
-        offload.initialize(...)`` binds no name), so it closes first, giving
-        the model back for the corrected line."""
-        self.close()
+        offload.initialize(...)`` binds no name), so one that has not trained
+        closes first, losing nothing, to give the model back for the
+        corrected line; one that has trained is iterated by mistake elsewhere
+        and stays as it is."""
+        untrained = self.micro_steps == 0 and not self._closed
+        if untrained:
+            self.close()
         raise TypeError("offload.initialize returns the engine alone, not DeepSpeed's (engine, optimizer, "
                         "dataloader, lr_scheduler): write `engine = offload.initialize(...)`; the optimizer and the "
                         "schedule run inside engine.step() (engine.get_lr() reads the rate), and batches come from "
-                        "your own data loader. This engine is closed and gave the model back")
+                        "your own data loader" + (". This engine had not trained: it is closed and gave the model "
+                                                  "back" if untrained else ""))
+
+    def __contains__(self, item) -> bool:
+        raise TypeError("an offload engine holds no items (engine.module is the model)")
 
     def __getattr__(self, name: str):
         """Only for names the engine lacks: DeepSpeed's are told where each went."""

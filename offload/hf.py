@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import re
 import warnings
 from collections.abc import Callable
@@ -74,9 +75,9 @@ try:
 except ImportError as e:  # the [hf] extra
     raise ImportError("offload.hf needs transformers: pip install -e .[hf]") from e
 
-# The engine checkpoint's directory inside a Trainer checkpoint, and the one it takes when that
-# checkpoint is written again; `latest` names the complete one.
-ENGINE_CHECKPOINT = "offload"
+# The engine checkpoint's directory inside a Trainer checkpoint (replaced when that checkpoint is
+# written again), and the one an older OffloadTrainer wrote then, which still resumes.
+ENGINE_CHECKPOINT, EARLIER_TAG = "offload", "offload.next"
 SCHEDULER_FILE = "scheduler.pt"  # the name Trainer uses, so its own tools find it
 EXACT_ADAMW = ("adamw_torch", "adamw_torch_fused")  # TrainingArguments.optim values that are plain AdamW
 
@@ -462,12 +463,14 @@ class OffloadTrainer(transformers.Trainer):
         # leave it out, as the Trainer has DeepSpeed do.
         self.engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT,
                                     exclude_frozen_parameters=is_peft_model(self.model))
+        if self.engine.rank == 0:
+            shutil.rmtree(os.path.join(output_dir, EARLIER_TAG), ignore_errors=True)  # `latest` names the new one
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """The weights come back with the engine checkpoint (``_load_optimizer_and_scheduler``)."""
-        if latest_tag(resume_from_checkpoint) != ENGINE_CHECKPOINT:
+        if latest_tag(resume_from_checkpoint) not in (ENGINE_CHECKPOINT, EARLIER_TAG):
             # A Trainer's checkpoint with neither optimizer nor schedule is one save_only_model wrote.
             def has(name: str) -> bool:
                 return os.path.exists(os.path.join(resume_from_checkpoint, name))

@@ -26,11 +26,13 @@ from offload.errors import UsageError
 from offload.zero.materialize import hugging_face_model
 
 
-def conversions(model: torch.nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """For the checkpoint ``keys`` of ``model``'s pretrained weights: the
-    model keys transformers renames some of them to (model key -> checkpoint
-    key), and those it merges into (model key -> the merge, for a message).
-    Both empty for a model that is not a transformers one."""
+def conversions(model: torch.nn.Module, keys: Iterable[str], path: str) -> tuple[dict[str, str], dict[str, str]]:
+    """For the checkpoint ``keys`` (at ``path``) of ``model``'s pretrained
+    weights: the model keys transformers renames some of them to (model key
+    -> checkpoint key), and those it merges into (model key -> the merge, for
+    a message). Both empty for a model that is not a transformers one. Two
+    keys that would give one tensor are refused: which one transformers
+    reads depends on its loading order, not on the names."""
     base = hugging_face_model(model)
     if base is None:
         return {}, {}
@@ -42,12 +44,18 @@ def conversions(model: torch.nn.Module, keys: Iterable[str]) -> tuple[dict[str, 
     transforms = mapping.get_model_conversion_mapping(base)
     renamings = [t for t in transforms if isinstance(t, mapping.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, mapping.WeightConverter)]
+    keys = list(keys)
+    own = set(keys)
     renamed, merged = {}, {}
     for key in keys:
         name, converter = core.rename_source_key(key, renamings, converters)
         if converter is not None:
             merged[name] = f"{converter!r} -> {name!r}"
         elif name != key:
+            other = name if name in own else renamed.get(name)
+            if other is not None:
+                raise UsageError(f"{path} holds {other!r} and {key!r}, which transformers both reads as {name!r}; "
+                                 "keep one of them in the checkpoint")
             renamed[name] = key
     return renamed, merged
 

@@ -231,7 +231,7 @@ def _opened(source: str | os.PathLike | Mapping[str, torch.Tensor], model: torch
     """The checkpoint, under the names ``model`` loads its keys as, and the
     model keys only a merge of its tensors would give."""
     checkpoint = TensorsCheckpoint(source) if isinstance(source, Mapping) else SafetensorsCheckpoint(os.fspath(source))
-    renamed, merged = conversions(model, checkpoint.keys())
+    renamed, merged = conversions(model, checkpoint.keys(), checkpoint.name)
     return RenamedCheckpoint(checkpoint, renamed), merged
 
 

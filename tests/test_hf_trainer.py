@@ -185,6 +185,24 @@ def test_resuming_from_the_middle_continues_bitwise(tmp_path, stage, scheduler):
     resumed.engine.close()
 
 
+def test_a_checkpoint_an_earlier_offload_wrote_again_resumes_and_is_written_as_now(tmp_path):
+    """An OffloadTrainer before this version named an engine checkpoint written
+    again `offload.next`: such a checkpoint resumes, and writing it again
+    leaves `offload` alone."""
+    whole = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme1"), save_steps=10)
+    whole.engine.close()
+    for step in (10, 20):
+        earlier = tmp_path / "run" / f"checkpoint-{step}"
+        os.rename(earlier / "offload", earlier / "offload.next")
+        (earlier / "latest").write_text("offload.next")
+    resumed = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme2"), save_steps=10,
+                        resume=str(tmp_path / "run" / "checkpoint-10"))
+    resumed.engine.close()
+    assert run.logged(resumed, "loss")[10:] == run.logged(whole, "loss")[10:]
+    later = tmp_path / "run" / "checkpoint-20"
+    assert (later / "latest").read_text() == "offload" and not (later / "offload.next").exists()
+
+
 def test_resuming_from_an_earlier_checkpoint_of_the_same_run_writes_the_later_ones_again(tmp_path):
     """As plain Trainer: checkpoint-20 exists when the run resumed from checkpoint-10 reaches step 20."""
     whole = run.train(str(tmp_path / "run"), 2, nvme=str(tmp_path / "nvme1"), save_steps=10)

@@ -472,6 +472,20 @@ def test_a_checkpoint_in_a_layout_transformers_renames_loads_as_transformers_loa
 
 
 @needs_hf
+def test_two_checkpoint_keys_transformers_reads_as_one_are_refused(tmp_path):
+    torch.manual_seed(0)
+    model = _vit()
+    model.save_pretrained(str(tmp_path / "hf"))
+    tensors = dict(read_safetensors(str(tmp_path / "hf" / WEIGHTS)))
+    tensors["vit.layers.0.attention.q_proj.weight"] = tensors["vit.encoder.layer.0.attention.attention.query.weight"]
+    with offload.initialize(model, config(2, "cpu", 1)) as engine:
+        with pytest.raises(UsageError, match=r"holds 'vit.layers.0.attention.q_proj.weight' and "
+                                             r"'vit.encoder.layer.0.attention.attention.query.weight', which "
+                                             r"transformers both reads as 'vit.layers.0.attention.q_proj.weight'"):
+            offload.load_weights(engine, tensors)
+
+
+@needs_hf
 @pytest.mark.parametrize("allow_missing", [False, True])
 def test_a_checkpoint_whose_tensors_transformers_merges_is_refused_with_the_way_round(tmp_path, allow_missing):
     """Mixtral's experts, one tensor each in the checkpoint, are one stacked

@@ -157,19 +157,24 @@ def save(engine: Checkpointable, save_dir: str, tag: str | None, client_state: d
     return final
 
 
-def _refuse_what_json_changes(value: Any, where: str) -> None:
+def _refuse_what_json_changes(value: Any, where: str, within: tuple[int, ...] = ()) -> None:
     """The manifest keeps ``client_state`` as JSON: a value that would come
     back as something else (DeepSpeed pickles it, so scripts pass tensors,
-    int keys, tuples) is refused here, by its place, not changed silently."""
+    int keys, tuples) is refused here, by its place, not changed silently.
+    ``within``: the containers around ``value``, which it must not be."""
+    if isinstance(value, (dict, list)):
+        if id(value) in within:
+            raise UsageError(f"{where} contains itself, which JSON cannot hold")
+        within = (*within, id(value))
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise UsageError(f"{where} has the key {key!r} ({type(key).__name__}), which a checkpoint's JSON "
                                  f"would give back as the string {str(key)!r}: make the key a string")
-            _refuse_what_json_changes(item, f"{where}[{key!r}]")
+            _refuse_what_json_changes(item, f"{where}[{key!r}]", within)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _refuse_what_json_changes(item, f"{where}[{i}]")
+            _refuse_what_json_changes(item, f"{where}[{i}]", within)
     elif isinstance(value, tuple):
         raise UsageError(f"{where} is a tuple, which a checkpoint's JSON would give back as a list: pass a list")
     elif not isinstance(value, (str, int, float, bool)) and value is not None:

@@ -316,11 +316,15 @@ class TieredStore:
         shard = self._shard(key)
         if shard.tier is Tier.CPU:
             return shard.tensor
-        if shard.state is State.READING:  # a read-ahead we no longer need: let it land, then reuse its buffer
-            self._finish_read(shard)
+        # A read-ahead we no longer need lands, and a write-back ends, before their buffer is reused;
+        # either may fail: the old content is not needed, and a lost shard is whole again once rewritten.
+        if shard.state is State.READING:
+            with contextlib.suppress(ShardLost):
+                self._finish_read(shard)
         elif shard.state is State.WRITING:
-            self._resident(shard)
-        elif shard.state in (State.ON_DISK, State.FAILED):  # a lost shard is whole again once rewritten
+            with contextlib.suppress(ShardLost):
+                self._resident(shard)
+        if shard.state in (State.ON_DISK, State.FAILED):
             shard.buffer = self._acquire(shard.meta.padded_nbytes, key)
             shard.state, shard.error = State.RESIDENT, None
         shard.expect(State.RESIDENT)

@@ -55,6 +55,14 @@ def _name_of(tensor) -> str:
     return _names.get(id(tensor)) or vars(tensor).get("parameter_name", "a parameter")
 
 
+def _casts(name: str, args: tuple, kwargs: dict) -> bool:
+    """A call that would change the dtype (``to(torch.float32)``; not a move
+    to a device or a memory format alone)."""
+    if name in _CASTS or (name == "type" and len(args) + len(kwargs) > 1):
+        return True
+    return name == "to" and any(isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values()))
+
+
 def _what(func) -> tuple[str, str]:
     """(name, kind) of a function ``__torch_function__`` is given: kind is
     "get", "set" or "call"."""
@@ -101,7 +109,7 @@ class _Hidden:
                                  "give this one its value when init_fn is called with its own module")
             cast = ("; a model that casts its own weights as it runs must be set to keep the compute dtype, which "
                     "the engine keeps every weight in (SwitchTransformers' router: router_dtype)"
-                    if name in ("to", "type", *_CASTS) else "")
+                    if _casts(name, args, kwargs) else "")
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
                              f"outside its module's forward (this rank holds only its part), so it has no values for "
                              f"{name.strip('_')}(); read or change it inside `with engine.gathered(params)` (a "

@@ -437,10 +437,7 @@ class PartitionedWeights:
         """m's part is about to change: what was read or uploaded of it ahead
         is stale (a pass that ended early left it, and a load is writing)."""
         if m in self._uploaded:
-            pending, _ = self._uploaded.pop(m)
-            pending.release()
-            self._done_with_shard(m)
-            self.live_elements -= m.slot.numel
+            self._drop_upload(m)
         if self._read_ahead.pop(m.key, None) is not None:
             self.ahead_elements -= m.slot.numel
 
@@ -713,11 +710,14 @@ class PartitionedWeights:
 
     def _drop_uploads(self) -> None:
         """Give back the uploads ahead that will not be used (their host buffers once they landed)."""
-        for m, (pending, _) in list(self._uploaded.items()):
-            pending.release()
-            self._done_with_shard(m)
-            self.live_elements -= m.slot.numel
-        self._uploaded.clear()
+        for m in list(self._uploaded):
+            self._drop_upload(m)
+
+    def _drop_upload(self, m: _Managed) -> None:
+        pending, _ = self._uploaded.pop(m)
+        pending.release()
+        self._done_with_shard(m)
+        self.live_elements -= m.slot.numel
 
     def _drop_read_ahead(self) -> None:
         """Give back the buffers of read-ahead, and the uploads ahead, that will not be used."""

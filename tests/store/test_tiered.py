@@ -326,6 +326,19 @@ def test_a_failed_write_first_seen_by_get_leaves_the_store_usable(tmp_path):
     assert not os.path.exists(run_dir)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_overwrite_needs_no_old_content_even_when_its_read_ahead_fails(tmp_path, backend):
+    with _store(tmp_path, backend) as store:
+        store.put("a", torch.ones(10_000), "nvme")
+        store.flush()
+        _damage(_swap_path(store, "a"), HEADER_BYTES + 100, b"\xff" * 64)
+        store.prefetch(["a"])  # a read-ahead in flight, of data the disk damaged
+        assert store.state("a") is State.READING
+        store.overwrite("a", torch.full((10_000,), 4.0))
+        store.flush()
+        assert torch.equal(store.get(["a"])[0], torch.full((10_000,), 4.0))
+
+
 def test_a_write_that_cannot_start_changes_nothing(tmp_path):
     """A full pool when a write-back needs its header buffer: the shard stays
     resident, unwritten, so a retry once there is room writes it; a put that

@@ -345,6 +345,12 @@ def test_a_save_killed_while_replacing_its_tag_keeps_the_old_checkpoint(tmp_path
         assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 
+def _looped() -> list:
+    loop = [1]
+    loop.append(loop)
+    return loop
+
+
 def test_wrong_uses_are_refused_with_the_fix(tmp_path):
     engine = saved(tmp_path, tags=("a",))
     (tmp_path / "ckpt" / "mine").mkdir()
@@ -360,6 +366,7 @@ def test_wrong_uses_are_refused_with_the_fix(tmp_path):
         ({"n": np.int64(3)}, r"client_state\['n'\] is a numpy.int64"),
         ({"seen": {3: 10}}, r"client_state\['seen'\] has the key 3 \(int\), which .* as the string '3'"),
         ({"pair": (1, 2)}, r"client_state\['pair'\] is a tuple, which .* as a list: pass a list"),
+        ({"loop": _looped()}, r"client_state\['loop'\]\[1\] contains itself"),
     ]:
         with pytest.raises(ValueError, match=message):
             engine.save_checkpoint(str(tmp_path / "ckpt"), "c", client_state=client)

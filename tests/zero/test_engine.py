@@ -693,12 +693,18 @@ def test_unpacking_the_engine_as_deepspeeds_closes_it_and_gives_the_model_back(t
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     cfg = config(3, "nvme", 1, str(tmp_path), param_device="nvme")
     with pytest.raises(TypeError, match=r"returns the engine alone, not DeepSpeed's \(engine, optimizer.* This "
-                                        r"engine is closed and gave the model back"):
+                                        r"engine had not trained: it is closed and gave the model back"):
         engine, *_ = offload.initialize(model, cfg)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert [n for n in os.listdir(tmp_path) if n.startswith("offload-run-")] == []
     with offload.initialize(model, cfg) as engine:
         engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+        with pytest.raises(TypeError, match="holds no items"):
+            "x" in engine
+        with pytest.raises(TypeError, match=r"returns the engine alone.*your own data loader$"):
+            list(engine)  # a trained engine iterated by mistake somewhere else: it stays
+        engine.backward(engine(batch(1, 0, 0)))
         engine.step()
 
 

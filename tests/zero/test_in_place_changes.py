@@ -327,4 +327,29 @@ def test_a_model_that_casts_its_own_weights_is_told_so_before_any_step(stage):
     with pytest.raises(UsageError, match=message):
         engine.backward(engine(batch(0, 0, 0)))
     assert engine.global_steps == 0
+    if stage == 3:  # a move is not a cast
+        with pytest.raises(UsageError, match="keeps it partitioned") as moved:
+            engine.module.head.weight.to("meta")
+        assert "casts its own weights" not in str(moved.value)
     engine.close(restore_model=False)
+
+
+def test_a_backward_that_refuses_a_change_keeps_the_boundary_set_for_it():
+    """set_gradient_accumulation_boundary(True), then a backward refused for an
+    in-place change: the retried backward still ends the window."""
+    cfg = config(2, "cpu", 4, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 1})
+    with offload.initialize(make_model(), cfg) as engine:
+        for step in range(2):  # past the warm-up: the delayed update is in flight
+            for micro in range(4):
+                engine.backward(engine(batch(step, micro, 0)))
+                engine.step()
+        engine.backward(engine(batch(2, 0, 0)))  # a short window: its next backward ends it
+        with torch.no_grad():
+            engine.module.blocks[2][0].weight.mul_(0.5)
+        engine.set_gradient_accumulation_boundary(True)
+        with pytest.raises(UsageError, match=r"^blocks\.2\.0\.weight changed in place .* delayed update"):
+            engine.backward(engine(batch(2, 1, 0)))
+        engine.backward(engine(batch(2, 1, 0)))
+        assert engine.is_boundary
+        engine.step()
+        assert engine.was_step_applied() and engine.global_steps == 3

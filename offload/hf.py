@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import re
+import shutil
 import warnings
 from collections.abc import Callable
 

@@ -215,17 +215,20 @@ def _refuse_deepspeeds(directory: str) -> None:
                               "those (offload.initialize(model, config, weights=DIR))")
 
 
+def _hidden_twin(directory: str, role: str) -> str:
+    parent, name = os.path.split(os.path.normpath(directory))
+    return os.path.join(parent, f".{name}.{role}")
+
+
 def replaced_twin(directory: str) -> str:
     """Where a checkpoint stands while a save of its tag replaces it (Note
     [checkpoint atomicity]): ``<save_dir>/.<tag>.replaced``."""
-    parent, name = os.path.split(os.path.normpath(directory))
-    return os.path.join(parent, f".{name}.replaced")
+    return _hidden_twin(directory, "replaced")
 
 
 def partial_twin(directory: str) -> str:
     """Where a save writes ``directory`` before it takes that name."""
-    parent, name = os.path.split(os.path.normpath(directory))
-    return os.path.join(parent, f".{name}.partial")
+    return _hidden_twin(directory, "partial")
 
 
 def complete(directory: str) -> str | None:

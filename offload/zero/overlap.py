@@ -259,9 +259,7 @@ class OverlappedStep:
         self.join_seconds += time.perf_counter() - start
         self._spare.extend(bases for bases in taken if bases is not None)
         if errors:  # what the others speculated goes back: the step that follows must not keep it
-            if self._stepped:
-                self._roll_back()
-            self._recycle()
+            self._undo()
             raise errors[0]
 
     def apply(self, multiplier: float, step: int, times: PhaseTimes) -> None:
@@ -325,6 +323,10 @@ class OverlappedStep:
         dict, a report): speculated sub-groups are undone first, so it finds
         the state the plain engine has now, and ``step()`` takes them as usual."""
         self._join()
+        self._undo()
+
+    def _undo(self) -> None:
+        """Speculated sub-groups get their old state back."""
         if self._stepped:
             self._roll_back()
             self._recycle()

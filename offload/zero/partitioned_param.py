@@ -26,6 +26,9 @@ import torch.utils._pytree as pytree
 from offload.errors import UsageError
 from offload.zero.materialize import INITIALISING
 
+# For a weight cast after offload.initialize, which no step would update.
+CASTS_ITS_OWN = ("a model that casts its own weights as it runs must be set to keep the compute dtype "
+                 "(SwitchTransformers' router: router_dtype)")
 COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and load model.state_dict() or "
                 "engine.state_dict() into it (every rank calls either)")
 
@@ -107,9 +110,7 @@ class _Hidden:
                                  "partitioned once its own module was initialised (stage 3 frees each parameter as "
                                  "soon as it is final): an init_fn must initialise only its module's own parameters; "
                                  "give this one its value when init_fn is called with its own module")
-            cast = ("; a model that casts its own weights as it runs must be set to keep the compute dtype, which "
-                    "the engine keeps every weight in (SwitchTransformers' router: router_dtype)"
-                    if _casts(name, args, kwargs) else "")
+            cast = f"; {CASTS_ITS_OWN}" if _casts(name, args, kwargs) else ""
             raise UsageError(f"{_name_of(holder)}: offload stage 3 keeps it partitioned "
                              f"outside its module's forward (this rank holds only its part), so it has no values for "
                              f"{name.strip('_')}(); read or change it inside `with engine.gathered(params)` (a "

@@ -75,6 +75,7 @@ from offload.errors import UsageError
 from offload.report import DiskTraffic, MemoryReport
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
+from offload.zero.partitioned_param import CASTS_ITS_OWN
 from offload.zero.transfer import Pending, Transfer
 
 
@@ -185,8 +186,7 @@ class ReplicatedWeights:
             if slot.param.dtype != self.flat.dtype:
                 raise UsageError(f"parameter {slot.name} is {slot.param.dtype} now, where the engine keeps it "
                                  f"{self.flat.dtype} (the compute dtype): something cast it after offload.initialize, "
-                                 "so no step would update it; a model that casts its own weights as it runs "
-                                 "(SwitchTransformers' router: router_dtype) must be set to keep the compute dtype")
+                                 f"so no step would update it; {CASTS_ITS_OWN}")
             if slot.param.data_ptr() != base + slot.offset * size:
                 raise UsageError(f"parameter {slot.name} no longer lives where the engine put it (on "
                                  f"{self.flat.device}): the model was moved or its parameters replaced after "

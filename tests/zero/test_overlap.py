@@ -140,10 +140,11 @@ def test_a_state_dict_between_backward_and_step_sees_the_state_before_the_step(t
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_a_worker_error_rolls_back_what_the_others_speculated(tmp_path, device):
+def test_a_worker_error_rolls_back_what_the_others_speculated(tmp_path, monkeypatch, device):
     """One sub-group's step fails on the worker (its read, say) after others
     were stepped: step() raises it with nothing kept, so the next steps are
     those of a plain engine whose step failed before touching anything."""
+    let_the_worker_finish(monkeypatch.setattr)  # else step() may take back every sub-group before the worker fails
     engines = [offload.initialize(make_model(), _config(tmp_path, 2, device, 1, 1e6, overlap_step))
                for overlap_step in (False, True)]
     plain, over = engines
@@ -160,10 +161,11 @@ def test_a_worker_error_rolls_back_what_the_others_speculated(tmp_path, device):
         raise OSError("the step failed before it began")
 
     for step in range(5):
+        if step == 2:  # before the backward: the worker speculates while it runs
+            over.optimizer.speculate, plain.update.apply = failing_read, failing_step
         for engine in engines:
             engine.backward(engine(batch(step, 0, 0)))
         if step == 2:
-            over.optimizer.speculate, plain.update.apply = failing_read, failing_step
             for engine, message in ((over, r"sub-group \d+: read failed"), (plain, "before it began")):
                 with pytest.raises(OSError, match=message):
                     engine.step()

@@ -6,67 +6,110 @@ transformers (>= 5) keeps reading checkpoints written in older layouts by
 converting keys as it loads them (``conversion_mapping``): renames (ViT's
 ``encoder.layer.0.attention.attention.query`` is ``layers.0.attention.q_proj``;
 old ``LayerNorm.gamma`` is ``LayerNorm.weight``), and merges of several
-tensors into one (Mixtral's experts, one ``w1``/``w3``/``w2`` per expert, are
-stacked into ``gate_up_proj`` and ``down_proj``). Its ``save_pretrained``
-writes those layouts back. A rename is a different name for the same bytes,
-so offload reads it in place, slice by slice as any key; a merge would need
-every source tensor of the target at once, which offload does not do yet: a
-model whose checkpoint needs one is refused with the way round it, never
-left with initial values where the weights should be.
+tensors into one (Mixtral's and Qwen-MoE's experts, one ``w1``/``w3``/``w2``
+per expert, are stacked into ``gate_up_proj`` and ``down_proj``). Its
+``save_pretrained`` writes those layouts back, and the Hub's MoE checkpoints
+are in them. A rename is a different name for the same bytes, so offload
+reads it in place, slice by slice as any key. A merge is transformers' own
+converter run on the checkpoint's tensors, in the order transformers gives
+them, so the result is the tensor transformers loads: its shapes are found
+at open by running it on meta tensors, and its values when a slice of it is
+first read, the whole merged tensor at once (one at a time: the last one is
+kept while its slices are read, in order). So loading a merged tensor costs
+host memory for it and its sources once, on each rank that owns a part of it.
+A merge transformers' converter cannot run here is refused with the way
+round it, never left with initial values where the weights should be.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from offload.errors import UsageError
 from offload.zero.materialize import hugging_face_model
 
+WAY_ROUND = "load the model with transformers' from_pretrained, then pass it to offload.initialize"
 
-def conversions(model: torch.nn.Module, keys: Iterable[str], path: str) -> tuple[dict[str, str], dict[str, str]]:
-    """For the checkpoint ``keys`` (at ``path``) of ``model``'s pretrained
-    weights: the model keys transformers renames some of them to (model key
-    -> checkpoint key), and those it merges into (model key -> the merge, for
-    a message). Both empty for a model that is not a transformers one. Two
-    keys that would give one tensor are refused: which one transformers
-    reads depends on its loading order, not on the names."""
+
+@dataclass
+class Merge:
+    """Several checkpoint tensors that transformers' ``converter`` turns into
+    the model's tensors ``shapes`` (one, or several for a split)."""
+
+    name: str  # the first target, transformers' name for the conversion
+    converter: object  # a transformers WeightConverter, never used itself: each conversion runs a copy
+    sources: list[tuple[str, str]] = field(default_factory=list)  # (its source pattern, checkpoint key), in order
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def convert(self, tensor: Callable[[str], torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's tensors, from the checkpoint's (``tensor(key)``, shaped)."""
+        converter = copy.deepcopy(self.converter)
+        for pattern, key in self.sources:
+            converter.add_tensor(self.name, key, pattern, tensor(key))
+        try:
+            converted = converter.convert(self.name, model=model, config=model.config)
+        except Exception as exc:
+            raise UsageError(f"transformers' conversion {self} failed here ({type(exc).__name__}: {exc}): "
+                             f"{WAY_ROUND}") from None
+        return {key: value[0] if isinstance(value, list) else value for key, value in converted.items()}
+
+    def __str__(self) -> str:
+        patterns = dict.fromkeys(pattern for pattern, _ in self.sources)
+        return f"{' + '.join(map(repr, patterns))} -> {self.name!r}"
+
+
+@dataclass
+class Conversions:
+    """What transformers does to a checkpoint's keys as it loads them: model
+    key -> the checkpoint key it renames, and model key -> the merge that gives it."""
+
+    renamed: dict[str, str] = field(default_factory=dict)
+    merged: dict[str, Merge] = field(default_factory=dict)
+
+
+def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[str], tuple[int, ...]],
+                path: str) -> Conversions:
+    """For the checkpoint ``keys`` (at ``path``, each of ``shape``) of ``model``'s
+    pretrained weights: what transformers renames and merges them into;
+    nothing for a model that is not a transformers one. Two keys that would
+    give one tensor are refused: which one transformers reads depends on its
+    loading order, not on the names."""
     base = hugging_face_model(model)
     if base is None:
-        return {}, {}
+        return Conversions()
     try:
         core = importlib.import_module("transformers.core_model_loading")
         mapping = importlib.import_module("transformers.conversion_mapping")
     except ImportError:
-        return {}, {}  # a transformers without conversions: every key is its own name
+        return Conversions()  # a transformers without conversions: every key is its own name
     transforms = mapping.get_model_conversion_mapping(base)
     renamings = [t for t in transforms if isinstance(t, mapping.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, mapping.WeightConverter)]
-    keys = list(keys)
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    keys = sorted(keys, key=core.dot_natural_key)  # transformers' order, which a merge's stacking follows
     own = set(keys)
-    renamed, merged = {}, {}
+    found, merges = Conversions(), {}
     for key in keys:
-        name, converter = core.rename_source_key(key, renamings, converters)
-        if converter is not None:
-            merged[name] = f"{converter!r} -> {name!r}"
+        name, pattern = core.rename_source_key(key, renamings, converters)
+        if pattern is not None:
+            merges.setdefault(name, Merge(name, by_pattern[pattern])).sources.append((pattern, key))
         elif name != key:
-            other = name if name in own else renamed.get(name)
+            other = name if name in own else found.renamed.get(name)
             if other is not None:
                 raise UsageError(f"{path} holds {other!r} and {key!r}, which transformers both reads as {name!r}; "
                                  "keep one of them in the checkpoint")
-            renamed[name] = key
-    return renamed, merged
-
-
-def refuse_merges(merged: dict[str, str], missing: list[str], names: Callable[[str], tuple[str, ...]],
-                  path: str) -> None:
-    """Note [transformers' key conversions]: refused, where a merge of the
-    checkpoint's tensors would give some of the ``missing`` ones (each its
-    keys joined by " / ", each key looked for under ``names``)."""
-    merges = [merged[n] for entry in missing for key in entry.split(" / ") for n in names(key) if n in merged]
-    if merges:
-        raise UsageError(f"{path} holds this model's weights in an older layout that transformers merges as it "
-                         f"loads them (e.g. {merges[0]}), which offload does not do yet: load the model with "
-                         "transformers' from_pretrained, then pass it to offload.initialize")
+            found.renamed[name] = key
+    for merge in merges.values():
+        merge.shapes = {key: tuple(value.shape) for key, value in merge.convert(
+            lambda key: torch.empty(shape(key), device="meta"), base).items()}
+        for key in merge.shapes:
+            if key in own or key in found.renamed or key in found.merged:
+                raise UsageError(f"{path} holds {key!r} both as it is and as {merge}; keep one of them "
+                                 "in the checkpoint")
+            found.merged[key] = merge
+    return found

@@ -23,8 +23,8 @@ model's own initialisation gave them. A PEFT model's keys are also looked for
 under the base model's names (``checkpoint_names``), and its trainable
 parameters the checkpoint lacks (the adapter's own) keep their values, with
 a warning naming them. Keys transformers renames as it loads are found under
-the model's names, and tensors it merges are refused (Note [transformers'
-key conversions]).
+the model's names, and tensors it merges are merged as it merges them (Note
+[transformers' key conversions]).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from offload.errors import UsageError, in_brief
-from offload.hf_key_names import conversions, refuse_merges
+from offload.hf_key_names import Merge, conversions
 from offload.peft_models import adapter_own, checkpoint_names
 from offload.pretrained import INDEX, WEIGHTS
 from offload.safetensors_file import SafetensorsReader
-from offload.zero.materialize import default_init
+from offload.zero.materialize import default_init, hugging_face_model
 
 
 class SafetensorsCheckpoint:
@@ -108,7 +108,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
                          f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
-    checkpoint, merged = _opened(source, engine.module)
+    checkpoint = _opened(source, engine.module)
     path = checkpoint.name
     try:
         entries = engine.state_entries()
@@ -119,8 +119,8 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
             """The name under which the checkpoint holds the tensor of ``keys`` (None: it does not)."""
             found = next((name for key in keys for name in names(key) if name in checkpoint), None)
             if found is not None and tuple(checkpoint.shape(found)) != tuple(shape):
-                raise UsageError(f"{found} has shape {list(checkpoint.shape(found))} in {path} but "
-                                 f"{list(shape)} in the model")
+                raise UsageError(f"{checkpoint.described(found)} has shape {list(checkpoint.shape(found))} in {path} "
+                                 f"but {list(shape)} in the model")
             return found
 
         source, missing, adapter = {}, [], []
@@ -144,7 +144,6 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
         if adapter:
             warnings.warn(f"offload.load_weights: {in_brief(adapter)} not in {path}; they keep the values the PEFT "
                           "model gave them (its adapters' own)", UserWarning, stacklevel=2)
-        refuse_merges(merged, missing, names, path)
         if missing:
             named = in_brief(missing)
             if not allow_missing:
@@ -203,36 +202,58 @@ class TensorsCheckpoint:
         """Nothing to release: the tensors are the caller's."""
 
 
-class RenamedCheckpoint:
+class ConvertedCheckpoint:
     """A checkpoint's tensors under their own keys, and under the names
-    transformers renames them to (Note [transformers' key conversions])."""
+    transformers renames or merges them into (Note [transformers' key
+    conversions])."""
 
-    def __init__(self, checkpoint: SafetensorsCheckpoint | TensorsCheckpoint, renamed: dict[str, str]) -> None:
-        self.checkpoint, self.renamed, self.name = checkpoint, renamed, checkpoint.name
+    def __init__(self, checkpoint: SafetensorsCheckpoint | TensorsCheckpoint, model: torch.nn.Module) -> None:
+        self.checkpoint, self.name = checkpoint, checkpoint.name
+        self.conversions = conversions(model, checkpoint.keys(), checkpoint.shape, checkpoint.name)
+        self._model = model
+        self._merge: Merge | None = None  # the last merge read, and the tensors it gave
+        self._merged: dict[str, torch.Tensor] = {}
 
     def _key(self, key: str) -> str:
-        return key if key in self.checkpoint else self.renamed.get(key, key)
+        return key if key in self.checkpoint else self.conversions.renamed.get(key, key)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.checkpoint or key in self.renamed
+        return key in self.checkpoint or key in self.conversions.renamed or key in self.conversions.merged
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self.checkpoint.shape(self._key(key))
+        merge = self.conversions.merged.get(key)
+        return merge.shapes[key] if merge is not None else self.checkpoint.shape(self._key(key))
+
+    def described(self, key: str) -> str:
+        """``key``, for a message: a merged one says from what."""
+        merge = self.conversions.merged.get(key)
+        return key if merge is None else \
+            f"{key}, which transformers merges from {len(merge.sources)} tensors ({merge}),"
 
     def read(self, key: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        return self.checkpoint.read(self._key(key), lo, hi)
+        merge = self.conversions.merged.get(key)
+        if merge is None:
+            return self.checkpoint.read(self._key(key), lo, hi)
+        if merge is not self._merge:
+            self._merge, self._merged = None, {}  # the last one's memory back before this one's is taken
+            self._merged = merge.convert(lambda k: self.checkpoint.read(k).reshape(self.checkpoint.shape(k)),
+                                         hugging_face_model(self._model))
+            self._merge = merge
+        return self._merged[key].reshape(-1)[lo:hi]
 
     def close(self) -> None:
+        self._merge, self._merged = None, {}
         self.checkpoint.close()
 
 
-def _opened(source: str | os.PathLike | Mapping[str, torch.Tensor], model: torch.nn.Module
-            ) -> tuple[RenamedCheckpoint, dict[str, str]]:
-    """The checkpoint, under the names ``model`` loads its keys as, and the
-    model keys only a merge of its tensors would give."""
+def _opened(source: str | os.PathLike | Mapping[str, torch.Tensor], model: torch.nn.Module) -> ConvertedCheckpoint:
+    """The checkpoint, under the names ``model`` loads its keys as."""
     checkpoint = TensorsCheckpoint(source) if isinstance(source, Mapping) else SafetensorsCheckpoint(os.fspath(source))
-    renamed, merged = conversions(model, checkpoint.keys(), checkpoint.name)
-    return RenamedCheckpoint(checkpoint, renamed), merged
+    try:
+        return ConvertedCheckpoint(checkpoint, model)
+    except BaseException:
+        checkpoint.close()
+        raise
 
 
 def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.nn.Module], None] | None):
@@ -242,7 +263,7 @@ def init_covering(model: torch.nn.Module, path: str, fallback: Callable[[torch.n
     ``load_weights`` overwrites it; any other module gets ``fallback`` (default:
     its ``reset_parameters``), so one without an initialiser of its own is an
     error only when the checkpoint does not cover it."""
-    checkpoint, _ = _opened(path, model)
+    checkpoint = _opened(path, model)
     checkpoint.close()
     names = checkpoint_names(model)
     keys_of: dict[int, list[str]] = {}  # a tensor's keys, tied ones included

@@ -449,7 +449,7 @@ def _vit():
 def _mixtral():
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                        num_local_experts=4)
+                                        num_local_experts=12)  # past 9: experts.10 sorts before experts.2 as text
     return transformers.MixtralForCausalLM(config)
 
 
@@ -485,21 +485,91 @@ def test_two_checkpoint_keys_transformers_reads_as_one_are_refused(tmp_path):
             offload.load_weights(engine, tensors)
 
 
-@needs_hf
-@pytest.mark.parametrize("allow_missing", [False, True])
-def test_a_checkpoint_whose_tensors_transformers_merges_is_refused_with_the_way_round(tmp_path, allow_missing):
-    """Mixtral's experts, one tensor each in the checkpoint, are one stacked
-    tensor in the model: never left as initialised, allow_missing or not."""
+def _merged_directory(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    """A Mixtral as transformers 5 writes it (each expert's w1, w3 and w2 a
+    tensor of its own), and the state dict transformers loads from it."""
     torch.manual_seed(0)
-    _mixtral().save_pretrained(str(tmp_path / "hf"))
-    with pytest.raises(UsageError, match=r"older layout that transformers merges as it loads them \(e.g. "
-                                         r"'\.experts\.\*\.w\d\.weight' -> 'model\.layers\.\d\.mlp\.experts\.\w+'\).* "
-                                         r"load the model with transformers' from_pretrained, then pass it to "
-                                         r"offload.initialize"):
+    directory = str(tmp_path / "hf")
+    _mixtral().save_pretrained(directory)
+    assert "model.layers.0.block_sparse_moe.experts.11.w3.weight" in SafetensorsCheckpoint(directory).keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return directory, transformers.MixtralForCausalLM.from_pretrained(directory).state_dict()
+
+
+@needs_hf
+@pytest.mark.parametrize("stage,param_device,frozen", [(2, None, False), (3, "nvme", False), (3, "cpu", True)],
+                         ids=["stage2", "stage3-nvme", "stage3-frozen-experts"])
+def test_a_checkpoint_whose_tensors_transformers_merges_loads_as_transformers_loads_it(tmp_path, stage, param_device,
+                                                                                      frozen):
+    """Mixtral's experts, one tensor each in the checkpoint, are one stacked
+    tensor in the model (Note [transformers' key conversions]): bitwise what
+    transformers loads, trainable or frozen (a LoRA's base)."""
+    directory, expected = _merged_directory(tmp_path)
+    os.makedirs(tmp_path / "nvme")
+    cfg = config(stage, "cpu", 1, str(tmp_path / "nvme"), param_device=param_device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if frozen:
+            model = _mixtral()
+            for name, p in model.named_parameters():
+                p.requires_grad_("experts" not in name)
+            engine = offload.initialize(model, cfg, weights=directory)
+        else:
+            engine = offload.from_pretrained(transformers.AutoModelForCausalLM, directory, cfg)
+    with engine:
+        loaded = engine.state_dict()
+    assert loaded.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
+
+
+def _merged_load_worker(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    expected = read_safetensors(os.path.join(out_dir, "expected.safetensors"))
+    results = {}
+    for stage, param_device in ((2, None), (3, "nvme")):
+        nvme = os.path.join(out_dir, f"nvme{rank}-{stage}")
+        os.makedirs(nvme)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            offload.initialize(_mixtral(), config(2, "cpu", 1), weights=str(tmp_path / "hf"),
-                               allow_missing=allow_missing)
+            with offload.from_pretrained(transformers.AutoModelForCausalLM, os.path.join(out_dir, "hf"),
+                                         config(stage, "cpu", 1, nvme, param_device=param_device)) as engine:
+                state = engine.state_dict()
+        results[stage] = [k for k in expected if not torch.equal(state[k], expected[k])]
+    finish_rank(out_dir, rank, results)
+
+
+@needs_hf
+def test_a_checkpoint_whose_tensors_transformers_merges_loads_with_two_ranks(tmp_path):
+    _, expected = _merged_directory(tmp_path)
+    write_safetensors(str(tmp_path / "expected.safetensors"),
+                      [(k, v.dtype, tuple(v.shape)) for k, v in expected.items()], expected.items())
+    for results in spawn_ranks(_merged_load_worker, tmp_path):
+        assert results == {"2": [], "3": []}
+
+
+@needs_hf
+def test_a_merge_the_checkpoint_cannot_give_is_named(tmp_path):
+    """An expert's tensor missing: transformers' merge fails (w1 and w3 stack
+    to different sizes), or gives a smaller stack than the model's."""
+    directory, _ = _merged_directory(tmp_path)
+    tensors = _read_directory(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.initialize(_mixtral(), config(2, "cpu", 1)) as engine:
+            w3 = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+            without_w3 = {k: v for k, v in tensors.items() if k != w3}
+            with pytest.raises(UsageError, match=r"transformers' conversion '\.experts\.\*\.w1\.weight' \+ "
+                                                 r"'\.experts\.\*\.w3\.weight' -> 'model\.layers\.1\.mlp\.experts\."
+                                                 r"gate_up_proj' failed here .*load the model with transformers' "
+                                                 r"from_pretrained, then pass it to offload.initialize"):
+                offload.load_weights(engine, without_w3)
+            no_last_expert = {k: v for k, v in tensors.items() if "experts.11." not in k}
+            with pytest.raises(UsageError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj, which "
+                                                 r"transformers merges from 22 tensors \('\.experts\.\*\.w1\.weight' \+ "
+                                                 r"'\.experts\.\*\.w3\.weight' -> '[\w.]+'\), has shape \[11, 128, 32\] "
+                                                 r"in the state dict but \[12, 128, 32\] in the model"):
+                offload.load_weights(engine, no_last_expert)
 
 
 @needs_hf

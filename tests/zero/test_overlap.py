@@ -219,8 +219,11 @@ def _nice_of_threads() -> dict[int, int]:
     """Every thread of this process -> its nice value (field 19 of /proc's stat)."""
     nices = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except FileNotFoundError:  # it ended since the listing (a collected engine's worker)
+            continue
     return nices
 
 

@@ -70,14 +70,15 @@ def test_clipping_reads_nothing_more_from_a_gradient_on_disk(tmp_path, accumulat
                      offload_optimizer={"gradients_on_nvme": True, "buffer_count": 2})
         with train_engine(make_model(), 3, accumulation, cfg) as engine:
             assert len(engine.optimizer.groups) > 4  # more sub-groups than the pool holds
-            before = engine.disk_traffic().bytes_read
+            before = engine.disk_traffic()
             for micro in range(accumulation):
                 engine.backward(engine(batch(9, micro, 0)))
                 engine.step()
-            reads.append(engine.disk_traffic().bytes_read - before)
-    # Whether a sub-group still being written back is reused or read again varies
-    # by one sub-group's file (8 KiB here) between runs; the read pass was 32 KiB.
-    assert reads[0] <= reads[1] + 8192, reads
+            after = engine.disk_traffic()
+            # A sub-group whose write-back is still in flight when needed is taken
+            # from its buffer, not read (bytes_kept): which ones, the disk's pace decides.
+            reads.append(after.bytes_read + after.bytes_kept - before.bytes_read - before.bytes_kept)
+    assert reads[0] == reads[1]  # the read pass was 32 KiB
 
 
 def test_a_gradient_on_disk_writes_each_sub_group_once_when_parts_come_low_before_high(tmp_path):

@@ -48,6 +48,7 @@ from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.destinations import directory_problem, file_problem
 from offload.errors import UsageError, in_brief
+from offload.hf_key_names import saved_layout
 from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained, write_torch_file
@@ -708,15 +709,22 @@ class Engine:
 
     @_while_open
     def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
-                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+                        max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_original_format: bool = True) -> list[str]:
         """Write the consolidated weights (``dtype``) and the model's config files
         as a directory ``transformers``' ``from_pretrained`` reads: safetensors
         shards of at most ``max_shard_bytes`` with their index (Hugging Face's
         names), streamed one parameter at a time. Every rank must call it; rank
-        0 writes. Returns the files written (on rank 0)."""
+        0 writes. Returns the files written (on rank 0).
+        ``save_original_format``: as transformers' own, the older key layout
+        transformers converts as it loads (Mixtral's experts one tensor each;
+        Note [transformers' key conversions]); False writes the model's names."""
         self.refuse_destination("save_pretrained", lambda: directory_problem(os.fspath(directory), with_parents=True))
-        return write_pretrained(directory, self.export_plan(dtype), self.full_weights(dtype),
-                                model_configs(self.module), max_shard_bytes, write=self.rank == 0)
+        plan, weights = self.export_plan(dtype), self.full_weights(dtype)
+        layout = saved_layout(self.module, plan) if save_original_format else None
+        if layout is not None:
+            plan, weights = layout.plan, layout.tensors(weights)
+        return write_pretrained(directory, plan, weights, model_configs(self.module), max_shard_bytes,
+                                write=self.rank == 0)
 
     @_while_open
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

@@ -19,13 +19,20 @@ kept while its slices are read, in order). So loading a merged tensor costs
 host memory for it and its sources once, on each rank that owns a part of it.
 A merge transformers' converter cannot run here is refused with the way
 round it, never left with initial values where the weights should be.
+
+Saving goes the other way, as transformers' ``save_pretrained`` does by
+default (``save_original_format``): the model's tensors are split and
+renamed back into the older layout (``SavedLayout``), which transformers 4
+and other tools read. A tensor is converted as soon as every model tensor
+its conversion takes has streamed past (one, for a split of Mixtral's
+experts), so the stream still holds one conversion at a time.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -113,3 +120,52 @@ def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[st
                                  "in the checkpoint")
             found.merged[key] = merge
     return found
+
+
+class SavedLayout:
+    """The model's state-dict entries (``plan``: key, dtype, shape, in the
+    order they will stream) as transformers' ``save_pretrained`` writes them:
+    ``plan`` becomes what is written, and ``tensors`` converts the stream."""
+
+    def __init__(self, model: torch.nn.Module, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        self._model = model
+        self._core = importlib.import_module("transformers.core_model_loading")
+        mapping = importlib.import_module("transformers.conversion_mapping")
+        # As transformers' revert_weight_conversion finds the conversions it reverts.
+        transforms = getattr(model, "_weight_conversions", None)  # those its from_pretrained made
+        if transforms is None:
+            transforms = [t for t in mapping.get_model_conversion_mapping(model, add_legacy=False)
+                          if not isinstance(t, self._core.PrefixChange)]
+        converters = [t.reverse_transform() for t in transforms[::-1] if isinstance(t, mapping.WeightConverter)]
+        together: dict[str, list[str]] = {}  # the model keys one conversion takes, by transformers' name for it
+        for key, _, _ in plan:
+            name, pattern = self._core.apply_converters(key, converters)
+            together.setdefault(name if pattern is not None else key, []).append(key)
+        self._at = {keys[-1]: keys for keys in together.values()}  # converted once its last key has come
+        meta = {key: torch.empty(shape, dtype=dtype, device="meta") for key, dtype, shape in plan}
+        self.plan = [(key, value.dtype, tuple(value.shape)) for last, _, _ in plan if last in self._at
+                     for key, value in self._converted({k: meta[k] for k in self._at[last]})]
+
+    def _converted(self, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._core.revert_weight_conversion(self._model, tensors).items())
+
+    def tensors(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        waiting: dict[str, torch.Tensor] = {}
+        for key, value in entries:
+            waiting[key] = value
+            if key in self._at:
+                yield from self._converted({k: waiting.pop(k) for k in self._at[key]})
+
+
+def saved_layout(model: torch.nn.Module, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> SavedLayout | None:
+    """The layout transformers' ``save_pretrained`` would write ``model``'s
+    ``plan`` in; None where it writes the model's own names (not a
+    transformers model, or a transformers without conversions)."""
+    base = hugging_face_model(model)
+    if base is None:
+        return None
+    try:
+        core = importlib.import_module("transformers.core_model_loading")
+    except ImportError:
+        return None
+    return SavedLayout(base, plan) if hasattr(core, "revert_weight_conversion") else None

@@ -453,19 +453,29 @@ def _mixtral():
     return transformers.MixtralForCausalLM(config)
 
 
+def _nomic_bert():
+    config = transformers.NomicBertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64)
+    return transformers.NomicBertModel(config)
+
+
 @needs_hf
-def test_a_checkpoint_in_a_layout_transformers_renames_loads_as_transformers_loads_it(tmp_path):
-    """transformers 5 writes ViT under older key names and renames them as it
-    loads (Note [transformers' key conversions]): offload reads them under
-    the model's names, and the model is the one transformers loads."""
+@pytest.mark.parametrize("build,old_key", [(_vit, "vit.encoder.layer.0.attention.attention.query.weight"),
+                                           (_nomic_bert, "encoder.layers.0.attn.Wqkv.weight")], ids=["vit", "nomic_bert"])
+def test_a_checkpoint_in_a_layout_transformers_renames_or_splits_loads_as_transformers_loads_it(tmp_path, build,
+                                                                                               old_key):
+    """transformers 5 writes ViT under older key names, and NomicBert's
+    q, k and v as one tensor, and converts them as it loads (Note
+    [transformers' key conversions]): offload reads them under the model's
+    names, and the model is the one transformers loads."""
     torch.manual_seed(0)
-    _vit().save_pretrained(str(tmp_path / "hf"))
-    assert "vit.encoder.layer.0.attention.attention.query.weight" in SafetensorsCheckpoint(str(tmp_path / "hf")).keys()
-    expected = transformers.ViTForImageClassification.from_pretrained(str(tmp_path / "hf")).state_dict()
+    model = build()
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert old_key in SafetensorsCheckpoint(str(tmp_path / "hf")).keys()
+    expected = type(model).from_pretrained(str(tmp_path / "hf")).state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = offload.from_pretrained(transformers.ViTForImageClassification, str(tmp_path / "hf"),
-                                         config(3, "cpu", 1, param_device="cpu"))
+        engine = offload.from_pretrained(type(model), str(tmp_path / "hf"), config(3, "cpu", 1, param_device="cpu"))
     with engine:
         loaded = engine.state_dict()
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
@@ -546,6 +556,37 @@ def test_a_checkpoint_whose_tensors_transformers_merges_loads_with_two_ranks(tmp
                       [(k, v.dtype, tuple(v.shape)) for k, v in expected.items()], expected.items())
     for results in spawn_ranks(_merged_load_worker, tmp_path):
         assert results == {"2": [], "3": []}
+
+
+@needs_hf
+@pytest.mark.parametrize("build", [_mixtral, _vit, _nomic_bert], ids=["mixtral", "vit", "nomic_bert"])
+@pytest.mark.parametrize("stage,loaded", [(2, False), (3, False), (2, True)],
+                         ids=["stage2", "stage3", "stage2-from-transformers-from_pretrained"])
+def test_save_pretrained_writes_the_layout_transformers_writes(tmp_path, build, stage, loaded):
+    """As transformers' save_pretrained (save_original_format): Mixtral's
+    experts split back into one tensor each, ViT's keys under their older
+    names, NomicBert's q, k and v joined into one tensor, bitwise; save_original_format=False writes the model's own names,
+    which transformers reads too (Note [transformers' key conversions])."""
+    torch.manual_seed(0)
+    model = build()
+    if loaded:  # from its own names, it made no conversions, and writes its own names back, as it read them
+        model.save_pretrained(str(tmp_path / "as-read"), save_original_format=False)
+        model = type(model).from_pretrained(str(tmp_path / "as-read"))
+    model.save_pretrained(str(tmp_path / "hf"))
+    expected = _read_directory(tmp_path / "hf")
+    own = copy.deepcopy(model).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.initialize(model, config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None)) as engine:
+            engine.save_pretrained(str(tmp_path / "original"), max_shard_bytes=40_000)
+            engine.save_pretrained(str(tmp_path / "own"), save_original_format=False)
+        assert len(os.listdir(tmp_path / "original")) > 3  # shards, split at any tensor
+        saved = _read_directory(tmp_path / "original")
+        assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+        saved = _read_directory(tmp_path / "own")
+        assert saved.keys() == own.keys() and all(torch.equal(saved[k], own[k]) for k in own)
+        loaded = type(model).from_pretrained(str(tmp_path / "own")).state_dict()
+    assert all(torch.equal(loaded[k], own[k]) for k in own)
 
 
 @needs_hf

@@ -50,6 +50,7 @@ def initialize(model, config: str | os.PathLike | dict | Config | None = None, i
         raise UsageError("offload.initialize needs a config: a DeepSpeed-style JSON path, a dict or a Config "
                          "(config=...)")
     config = Config.load(config, nvme_path)
+    _nvme_path_exists(config, nvme_path)
     if weights is None:
         return Engine(model, config, init_fn, param_groups)
     weights = os.fspath(weights)
@@ -106,9 +107,18 @@ def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: 
     as ``initialize``'s.
     """
     if config is not None:
-        Config.load(config, nvme_path)  # fail here, before building anything
+        _nvme_path_exists(Config.load(config, nvme_path), nvme_path)  # fail here, before building anything
     with meta_device():
         yield
+
+
+def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> None:
+    """The ``nvme_path`` argument, named as the caller gave it (the engine names a config's own)."""
+    if nvme_path is not None and any(section.device == "nvme" for section in (
+            config.zero_optimization.offload_optimizer, config.zero_optimization.offload_param)) \
+            and not os.path.isdir(nvme_path):
+        raise UsageError(f"nvme_path={os.fspath(nvme_path)!r} is not an existing directory; create it, or pass one "
+                         "that exists")
 
 
 from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)

@@ -426,6 +426,13 @@ def test_a_missing_swap_directory_is_named_by_its_key(tmp_path):
     with pytest.raises(UsageError, match=r"zero_optimization.offload_param.nvme_path '.*absent' is not an existing "
                                          r"directory; create it, or point it at one \(offload.initialize"):
         offload.initialize(make_model(), config(3, "cpu", 1, missing, param_device="nvme"))
+    given = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
+    with pytest.raises(UsageError, match=r"^nvme_path='.*absent' is not an existing directory; create it, or pass one "
+                                         r"that exists$"):  # named as the caller gave it
+        offload.initialize(make_model(), given, nvme_path=missing)
+    with pytest.raises(UsageError, match=r"^nvme_path='.*absent' is not an existing directory"):
+        with offload.init(given, nvme_path=missing):
+            pass
 
 
 def test_an_initialize_nvme_path_without_an_nvme_tier_is_said(tmp_path):

@@ -60,6 +60,7 @@ SIMULATED_TESTS = tests/zero/test_equivalence.py tests/zero/test_stage3.py tests
 	tests/zero/test_in_place_changes.py \
 	tests/zero/test_state_dtype.py::test_resuming_is_bitwise_and_checkpoints_move_between_formats \
 	tests/zero/test_state_dtype.py::test_a_bf16_master_trains_like_adamw_within_bf16_noise
+# The slowest tests are listed at the end, where CI's time goes.
 test: install $(HF_STAMP)
-	OFFLOAD_REQUIRE_NATIVE=1 $(PYTHON) -m pytest
+	OFFLOAD_REQUIRE_NATIVE=1 $(PYTHON) -m pytest --durations=15
 	OFFLOAD_REQUIRE_NATIVE=1 OFFLOAD_SIMULATED_DEVICE=1 $(PYTHON) -m pytest $(SIMULATED_TESTS)

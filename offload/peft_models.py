@@ -51,7 +51,8 @@ def checkpoint_names(model: torch.nn.Module) -> Callable[[str], tuple[str, ...]]
     def names(key: str) -> tuple[str, ...]:
         base = key.removeprefix("base_model.model.")
         for level in levels:
-            base = base.replace(level, ".")
+            while level in base:  # nested, as PEFT wraps a module once per parameter it targets (experts')
+                base = base.replace(level, ".")
         return key, base
 
     return names

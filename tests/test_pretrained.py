@@ -533,6 +533,27 @@ def test_a_checkpoint_whose_tensors_transformers_merges_loads_as_transformers_lo
     assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
 
 
+@needs_hf
+def test_a_lora_on_the_experts_loads_its_base_from_a_checkpoint_transformers_merges(tmp_path):
+    """PEFT's LoRA on both of an MoE's stacked expert tensors (target_parameters)
+    nests its wrapper twice (experts.base_layer.base_layer.gate_up_proj); the
+    base comes from the per-expert checkpoint, as transformers merges it."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    directory, expected = _merged_directory(tmp_path)
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"])
+    model = peft.get_peft_model(_mixtral(), lora)
+    assert any(".base_layer.base_layer." in key for key in model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.initialize(model, config(3, "cpu", 1, param_device="cpu"), weights=directory) as engine:
+            loaded = engine.state_dict()
+    base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in loaded.items()
+            if "lora_" not in k}
+    assert base.keys() == expected.keys() and all(torch.equal(base[k], expected[k]) for k in expected)
+
+
 def _merged_load_worker(rank: int, port: int, out_dir: str) -> None:
     init_gloo(rank, 2, port)
     expected = read_safetensors(os.path.join(out_dir, "expected.safetensors"))

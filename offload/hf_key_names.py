@@ -17,8 +17,11 @@ at open by running it on meta tensors, and its values when a slice of it is
 first read, the whole merged tensor at once (one at a time: the last one is
 kept while its slices are read, in order). So loading a merged tensor costs
 host memory for it and its sources once, on each rank that owns a part of it.
-A merge transformers' converter cannot run here is refused with the way
-round it, never left with initial values where the weights should be.
+A merge that fails (an expert's tensor missing from the checkpoint, which
+transformers refuses too) is refused when the model asks for its tensor,
+naming what is missing, never left with initial values where the weights
+should be; one the model does not ask for (a layer it does not have) is
+skipped, as transformers skips it.
 
 Saving goes the other way, as transformers' ``save_pretrained`` does by
 default (``save_original_format``): the model's tensors are split and
@@ -32,38 +35,60 @@ from __future__ import annotations
 
 import copy
 import importlib
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import UsageError
+from offload.errors import UsageError, in_brief
 from offload.zero.materialize import hugging_face_model
-
-WAY_ROUND = "load the model with transformers' from_pretrained, then pass it to offload.initialize"
-
 
 @dataclass
 class Merge:
     """Several checkpoint tensors that transformers' ``converter`` turns into
-    the model's tensors ``shapes`` (one, or several for a split)."""
+    the model's tensors ``shapes`` (one, or several for a split), or the
+    ``error`` that prevents it, raised only if the model asks for them (as
+    transformers converts only what its model has)."""
 
     name: str  # the first target, transformers' name for the conversion
     converter: object  # a transformers WeightConverter, never used itself: each conversion runs a copy
     sources: list[tuple[str, str]] = field(default_factory=list)  # (its source pattern, checkpoint key), in order
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    error: str | None = None
 
     def convert(self, tensor: Callable[[str], torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's tensors, from the checkpoint's (``tensor(key)``, shaped)."""
+        if self.error is not None:
+            raise UsageError(self.error)
         converter = copy.deepcopy(self.converter)
         for pattern, key in self.sources:
             converter.add_tensor(self.name, key, pattern, tensor(key))
         try:
             converted = converter.convert(self.name, model=model, config=model.config)
         except Exception as exc:
-            raise UsageError(f"transformers' conversion {self} failed here ({type(exc).__name__}: {exc}): "
-                             f"{WAY_ROUND}") from None
+            raise UsageError(f"transformers' conversion {self} fails on these tensors ({type(exc).__name__}: "
+                             f"{exc}); transformers' from_pretrained runs the same one") from None
         return {key: value[0] if isinstance(value, list) else value for key, value in converted.items()}
+
+    def missing(self) -> list[str]:
+        """The checkpoint keys of stacked items (experts) that some of the
+        source patterns have and others lack, named as they would be; none
+        for a conversion of anything else."""
+        numbered = {pattern: re.compile(re.escape(pattern).replace(r"\*", r"(\d+)")) for pattern, _ in self.sources}
+        items: dict[str, set[str]] = {}
+        for pattern, key in self.sources:
+            match = numbered[pattern].search(key)
+            if match is None or not match.groups():
+                return []
+            items.setdefault(pattern, set()).add(match.group(1))
+            example = key, match
+        indices = set().union(*items.values())
+        indices |= {str(i) for i in range(max(map(int, indices), default=0))}  # a stack numbers from 0
+        key, match = example
+        return [key[:match.start()] + pattern.replace("*", i) + key[match.end():]
+                for pattern in self.converter.source_patterns
+                for i in sorted(indices - items.get(pattern, set()), key=int)]
 
     def __str__(self) -> str:
         patterns = dict.fromkeys(pattern for pattern, _ in self.sources)
@@ -112,8 +137,18 @@ def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[st
                                  "keep one of them in the checkpoint")
             found.renamed[name] = key
     for merge in merges.values():
-        merge.shapes = {key: tuple(value.shape) for key, value in merge.convert(
-            lambda key: torch.empty(shape(key), device="meta"), base).items()}
+        gaps = merge.missing()
+        if gaps:
+            merge.error = (f"{path} lacks {in_brief(gaps)}, which transformers merges with the other "
+                           f"{len(merge.sources)} tensors of {merge}; it cannot load this checkpoint either")
+        else:
+            try:
+                merge.shapes = {key: tuple(value.shape) for key, value in merge.convert(
+                    lambda key: torch.empty(shape(key), device="meta"), base).items()}
+            except UsageError as exc:
+                merge.error = f"{path}: {exc}"
+        if merge.error is not None:
+            found.merged[merge.name] = merge  # its other targets, if any, are not known: only the first is named
         for key in merge.shapes:
             if key in own or key in found.renamed or key in found.merged:
                 raise UsageError(f"{path} holds {key!r} both as it is and as {merge}; keep one of them "

@@ -222,6 +222,8 @@ class ConvertedCheckpoint:
 
     def shape(self, key: str) -> tuple[int, ...]:
         merge = self.conversions.merged.get(key)
+        if merge is not None and merge.error is not None:
+            raise UsageError(merge.error)
         return merge.shapes[key] if merge is not None else self.checkpoint.shape(self._key(key))
 
     def described(self, key: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 __version__ = "0.1.0"
 
@@ -106,8 +107,10 @@ def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: 
     with stages 1 and 2 it materialises the whole model first. ``nvme_path``:
     as ``initialize``'s.
     """
-    if config is not None:
-        _nvme_path_exists(Config.load(config, nvme_path), nvme_path)  # fail here, before building anything
+    if config is not None:  # fail here, before building anything
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what has no effect: initialize, given this config too, says it once
+            _nvme_path_exists(Config.load(config, nvme_path), nvme_path)
     with meta_device():
         yield
 

@@ -326,7 +326,7 @@ def _no_weights(directory: str) -> str:
 
 
 def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | None = None, allow_missing: bool = False,
-                    param_groups=None):
+                    param_groups=None, **model_config):
     """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc., or an
     Auto class such as ``transformers.AutoModelForCausalLM``) built
     from the ``config.json`` in directory ``path`` under ``offload.init``, wrapped
@@ -335,7 +335,9 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
     time (its own ``_init_weights`` gives buffers such as rotary frequencies
     their values) and never whole in host memory at stage 3.
     ``param_groups(model)``: the groups ``offload.initialize`` takes, for the
-    model built here."""
+    model built here. Other keyword arguments change the model's config, as
+    transformers' ``from_pretrained`` takes them (``output_router_logits=True``);
+    one the config does not have is refused."""
     import transformers
 
     import offload  # its entry points; not at the top, since offload imports this module
@@ -381,11 +383,16 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
             raise UsageError(f"{config_file} describes a {holds!r} model, and {model_class.__name__} builds "
                              f"{wants!r} ones: pass the class for {holds!r}, or an Auto class "
                              f"(transformers.AutoModelForCausalLM), which builds what the directory holds")
-        model_config = model_class.config_class.from_pretrained(path)
+        model_config, unused = model_class.config_class.from_pretrained(path, return_unused_kwargs=True,
+                                                                        **model_config)
         build = model_class
     else:  # an Auto class: the config names the model
-        model_config = transformers.AutoConfig.from_pretrained(path)
+        model_config, unused = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **model_config)
         build = model_class.from_config
+    if unused:
+        raise UsageError(f"offload.from_pretrained: {in_brief(sorted(unused))} {'is' if len(unused) == 1 else 'are'} "
+                         f"not in the config of {config_file} (keyword arguments change the model's config, as "
+                         f"transformers' from_pretrained takes them)")
     with offload.init(config, nvme_path=nvme_path):
         model = build(model_config)
     return offload.initialize(model, config, init_fn=model._init_weights, nvme_path=nvme_path, weights=path,

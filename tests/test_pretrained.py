@@ -641,6 +641,29 @@ def test_a_merge_the_checkpoint_cannot_give_is_named_and_one_the_model_does_not_
 
 
 @needs_hf
+def test_from_pretrained_takes_config_changes_and_says_what_has_no_effect_once(tmp_path):
+    """As transformers' from_pretrained: keyword arguments change the config
+    (an MoE's router loss), and a misspelt one is refused. The warning for
+    an nvme_path no tier uses comes once, from initialize, not also from
+    the model's build under offload.init."""
+    torch.manual_seed(0)
+    _mixtral().save_pretrained(str(tmp_path / "hf"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with offload.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path / "hf"), config(2, "cpu", 1),
+                                     nvme_path=str(tmp_path), output_router_logits=True) as engine:
+            assert engine.module.config.output_router_logits is True
+            assert engine(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).aux_loss is not None
+    assert [str(w.message) for w in caught if "has no effect here: no tier" in str(w.message)] == [
+        f"offload: nvme_path={str(tmp_path)!r} has no effect here: no tier of this config is on nvme "
+        "(zero_optimization.offload_optimizer.device, offload_param.device)"]
+    with pytest.raises(UsageError, match=r"^offload.from_pretrained: output_router_logitz is not in the config of "
+                                         r".*config.json \(keyword arguments change the model's config"):
+        offload.from_pretrained(transformers.MixtralForCausalLM, str(tmp_path / "hf"), config(2, "cpu", 1),
+                                output_router_logitz=True)
+
+
+@needs_hf
 def test_from_pretrained_names_what_it_takes(tmp_path):
     with pytest.raises(UsageError, match=r"takes a transformers model class \(LlamaForCausalLM\) or an Auto class"):
         offload.from_pretrained(str(tmp_path), config(2, "cpu", 1))

@@ -708,9 +708,10 @@ class Engine:
         write_safetensors(path, self.export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
 
     @_while_open
-    def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
+    def save_pretrained(self, directory: str, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_original_format: bool = True) -> list[str]:
-        """Write the consolidated weights (``dtype``) and the model's config files
+        """Write the consolidated weights (in ``dtype``; by default the compute
+        dtype, the model's, as transformers writes it) and the model's config files
         as a directory ``transformers``' ``from_pretrained`` reads: safetensors
         shards of at most ``max_shard_bytes`` with their index (Hugging Face's
         names), streamed one parameter at a time. Every rank must call it; rank
@@ -719,6 +720,7 @@ class Engine:
         transformers converts as it loads (Mixtral's experts one tensor each;
         Note [transformers' key conversions]); False writes the model's names."""
         self.refuse_destination("save_pretrained", lambda: directory_problem(os.fspath(directory), with_parents=True))
+        dtype = self.dtype if dtype is None else dtype
         plan, weights = self.export_plan(dtype), self.full_weights(dtype)
         layout = saved_layout(self.module, plan) if save_original_format else None
         if layout is not None:

@@ -450,7 +450,7 @@ class OffloadTrainer(transformers.Trainer):
             if self.args.should_save:
                 self.model.save_pretrained(output_dir, state_dict=adapter, selected_adapters=active)
         else:
-            self.engine.save_pretrained(output_dir, dtype=self.engine.dtype)
+            self.engine.save_pretrained(output_dir)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

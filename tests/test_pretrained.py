@@ -79,6 +79,22 @@ def test_save_pretrained_writes_the_state_dict_in_shards_with_an_index(tmp_path,
     assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_save_pretrained_writes_the_compute_dtype_unless_told(tmp_path, bf16):
+    """As transformers writes a model in its own dtype: a bf16 run's weights
+    in bf16, an fp32 run's in fp32."""
+    cfg = config(2, "cpu", 1, **({"bf16": {"enabled": True}} if bf16 else {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.initialize(make_model(), cfg) as engine:
+            engine.save_pretrained(str(tmp_path / "default"))
+            engine.save_pretrained(str(tmp_path / "fp32"), torch.float32)
+            expected = engine.state_dict(torch.bfloat16 if bf16 else torch.float32)
+    written = _read_directory(tmp_path / "default")
+    assert all(written[k].dtype == expected[k].dtype and torch.equal(written[k], expected[k]) for k in expected)
+    assert all(v.dtype == torch.float32 for v in _read_directory(tmp_path / "fp32").values())
+
+
 def test_a_second_save_replaces_the_first_shards(tmp_path):
     out = str(tmp_path / "model")
     with _engine(make_model()) as engine:

@@ -290,7 +290,9 @@ class PartitionedWeights:
         if self.tier == "nvme" and in_cpu and not none_partitioned:  # else the warning below says why nothing is
             _say_what_stays_in_cpu(parts, in_cpu, param_cfg.max_in_cpu)
         if layout.rank == 0 and none_partitioned:
-            held = "" if self.tier == "none" else f", and offload_param.device {self.tier!r} holds none"
+            held = "" if self.tier == "none" else (f" (each rank's part of each still lives in offload_param.device "
+                                                   f"{self.tier!r}, written and read back once a step to refresh "
+                                                   "the whole copies)")
             warnings.warn(f"offload: every parameter has at most zero_optimization.stage3_param_persistence_threshold "
                           f"({zero.stage3_param_persistence_threshold:,}) elements, so all stay whole on every "
                           f"rank's accelerator: stage 3 partitions none of them{held}; lower the threshold to "

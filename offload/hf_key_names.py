@@ -28,7 +28,10 @@ default (``save_original_format``): the model's tensors are split and
 renamed back into the older layout (``SavedLayout``), which transformers 4
 and other tools read. A tensor is converted as soon as every model tensor
 its conversion takes has streamed past (one, for a split of Mixtral's
-experts), so the stream still holds one conversion at a time.
+experts), so the stream holds one conversion at a time, except where a
+conversion joins trained and frozen tensors (a NomicBert with q frozen, k
+and v trained): frozen ones stream last, so each layer's trained ones wait
+for them.
 """
 
 from __future__ import annotations

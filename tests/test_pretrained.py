@@ -25,6 +25,7 @@ import offload
 from offload.cli import main
 from offload.errors import CheckpointError, UsageError
 from offload import pretrained
+from offload.checkpoint.export import _meta_model
 from offload.load_weights import SafetensorsCheckpoint
 from offload.pretrained import INDEX, WEIGHTS, shards
 from offload.safetensors_file import read_safetensors, write_safetensors
@@ -602,8 +603,11 @@ def test_a_checkpoint_whose_tensors_transformers_merges_loads_with_two_ranks(tmp
 def test_save_pretrained_writes_the_layout_transformers_writes(tmp_path, build, stage, loaded):
     """As transformers' save_pretrained (save_original_format): Mixtral's
     experts split back into one tensor each, ViT's keys under their older
-    names, NomicBert's q, k and v joined into one tensor, bitwise; save_original_format=False writes the model's own names,
-    which transformers reads too (Note [transformers' key conversions])."""
+    names, NomicBert's q, k and v joined into one tensor, bitwise;
+    save_original_format=False writes the model's own names, which
+    transformers reads too (Note [transformers' key conversions]). So does
+    `offload export --hf` from a checkpoint, for the model its config.json
+    describes (--model-names: the model's own)."""
     torch.manual_seed(0)
     model = build()
     if loaded:  # from its own names, it made no conversions, and writes its own names back, as it read them
@@ -617,13 +621,24 @@ def test_save_pretrained_writes_the_layout_transformers_writes(tmp_path, build, 
         with offload.initialize(model, config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None)) as engine:
             engine.save_pretrained(str(tmp_path / "original"), max_shard_bytes=40_000)
             engine.save_pretrained(str(tmp_path / "own"), save_original_format=False)
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+        exports = [("exported", []), ("exported-own", ["--model-names"])]
+        for out, flags in exports:
+            assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / out), *flags]) == 0
         assert len(os.listdir(tmp_path / "original")) > 3  # shards, split at any tensor
-        saved = _read_directory(tmp_path / "original")
-        assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
-        saved = _read_directory(tmp_path / "own")
-        assert saved.keys() == own.keys() and all(torch.equal(saved[k], own[k]) for k in own)
+        for directory, wanted in [("original", expected), ("own", own), ("exported-own", own)] + \
+                                 [("exported", expected)] * (not loaded):  # the model's config says the layout
+            saved = _read_directory(tmp_path / directory)
+            assert saved.keys() == wanted.keys() and all(torch.equal(saved[k], wanted[k]) for k in wanted), directory
         loaded = type(model).from_pretrained(str(tmp_path / "own")).state_dict()
     assert all(torch.equal(loaded[k], own[k]) for k in own)
+
+
+@needs_hf
+def test_an_export_of_a_model_transformers_cannot_build_keeps_its_names_and_says_so():
+    with pytest.warns(UserWarning, match=r"^out: written under the model's own key names, not in the older layout "
+                                         r".*\(ValueError: transformers [\d.]+ has no class 'NoSuchModel'\)"):
+        assert _meta_model(json.dumps({"architectures": ["NoSuchModel"]}), "out") is None
 
 
 @needs_hf

@@ -11,6 +11,7 @@ without its frozen parameters is refused: its export would not be the model.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 import zlib
@@ -20,6 +21,7 @@ import torch
 
 from offload.checkpoint.format import Manifest, RankFile, read_manifest, resolve, verified_extras
 from offload.errors import CheckpointError
+from offload.hf_key_names import saved_layout
 from offload.pretrained import CONFIGS, DEFAULT_SHARD_BYTES, write_pretrained
 from offload.safetensors_file import SafetensorsReader, write_safetensors
 from offload.zero.consolidate import assemble, export_plan, keep_local, named_weights, owned_ranges
@@ -79,10 +81,13 @@ def export(path: str, out: str, dtype: torch.dtype, tag: str | None = None) -> M
 
 
 def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | None = None,
-                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[Manifest, list[str]]:
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      save_original_format: bool = True) -> tuple[Manifest, list[str]]:
     """Write a checkpoint's consolidated weights as a model directory
     ``from_pretrained`` reads (offload/pretrained.py), with the config files
-    the checkpoint kept; returns the manifest and the files written."""
+    the checkpoint kept; returns the manifest and the files written.
+    ``save_original_format``: as ``Engine.save_pretrained``'s, for the model
+    its config.json describes, built on the meta device to know its layout."""
     directory = resolve(path, tag)
     manifest = read_manifest(directory)
     plan, tensors = consolidated(directory, manifest, dtype)
@@ -91,7 +96,34 @@ def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | No
         warnings.warn(f"{directory} kept no config.json (its model was no Hugging Face model), so from_pretrained "
                       f"will not load {out_dir} until one is put there: copy the model's config.json into it, or "
                       "export --out FILE for the weights alone", UserWarning, stacklevel=2)
+    elif save_original_format:
+        layout = saved_layout(_meta_model(configs["config.json"], out_dir), plan)
+        if layout is not None:
+            plan, tensors = layout.plan, layout.tensors(tensors)
     return manifest, write_pretrained(out_dir, plan, tensors, configs, max_shard_bytes)
+
+
+def _meta_model(config: str, out_dir: str) -> torch.nn.Module | None:
+    """The transformers model the JSON ``config`` describes, on the meta device
+    (no memory); None without transformers, or for a model it cannot build,
+    said, since then the keys are written under the model's own names."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    data = json.loads(config)
+    architecture = (data.get("architectures") or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    try:
+        if model_class is None:
+            raise ValueError(f"transformers {transformers.__version__} has no class {architecture!r}")
+        with torch.device("meta"):
+            return model_class(model_class.config_class.from_dict(data))
+    except Exception as exc:
+        warnings.warn(f"{out_dir}: written under the model's own key names, not in the older layout transformers' "
+                      f"save_pretrained writes, since the model could not be built from its config to tell "
+                      f"({type(exc).__name__}: {exc})", UserWarning, stacklevel=3)
+        return None
 
 
 def _kept_configs(directory: str, manifest: Manifest) -> dict[str, str]:

@@ -34,6 +34,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", type=byte_size, default=DEFAULT_SHARD_BYTES,
                    help="with --hf: the largest shard, e.g. 5GB (default 5GB, as transformers)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--model-names", action="store_true",
+                   help="with --hf: the model's own state-dict keys, not the older layout transformers' "
+                        "save_pretrained writes (one tensor per MoE expert, as on the Hub)")
     p.set_defaults(run=run)
 
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hf:
         earlier = [name for name in (WEIGHTS, INDEX) if os.path.isfile(os.path.join(args.hf, name))]
         manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, DTYPES[args.dtype], args.tag,
-                                                       args.max_shard_size)
+                                                       args.max_shard_size, not args.model_names)
         size = sum(os.path.getsize(os.path.join(args.hf, f)) for f in files)
         wrote = f"{args.hf}: {', '.join(files)}{' (in place of the model that was there)' if earlier else ''};"
     else:

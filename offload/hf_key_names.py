@@ -110,8 +110,9 @@ class Conversions:
 def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[str], tuple[int, ...]],
                 path: str) -> Conversions:
     """For the checkpoint ``keys`` (at ``path``, each of ``shape``) of ``model``'s
-    pretrained weights: what transformers renames and merges them into;
-    nothing for a model that is not a transformers one. Two keys that would
+    pretrained weights: what transformers renames and merges them into, with
+    the base model's prefix taken off or put on as it does; nothing for a
+    model that is not a transformers one. Two keys that would
     give one tensor are refused: which one transformers reads depends on its
     loading order, not on the names."""
     base = hugging_face_model(model)
@@ -128,9 +129,14 @@ def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[st
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     keys = sorted(keys, key=core.dot_natural_key)  # transformers' order, which a merge's stacking follows
     own = set(keys)
+    # As transformers reads a base model's checkpoint into a model with a head, and the other way round: the base's
+    # prefix (``model.``) taken off or put on where that gives a key of the model.
+    prefix = getattr(base, "base_model_prefix", "")
+    model_keys = dict.fromkeys((name for name, _ in [*base.named_parameters(remove_duplicate=False),
+                                                     *base.named_buffers(remove_duplicate=False)]), True)
     found, merges = Conversions(), {}
     for key in keys:
-        name, pattern = core.rename_source_key(key, renamings, converters)
+        name, pattern = core.rename_source_key(key, renamings, converters, prefix, model_keys)
         if pattern is not None:
             merges.setdefault(name, Merge(name, by_pattern[pattern])).sources.append((pattern, key))
         elif name != key:

@@ -571,6 +571,28 @@ def test_a_lora_on_the_experts_loads_its_base_from_a_checkpoint_transformers_mer
     assert base.keys() == expected.keys() and all(torch.equal(base[k], expected[k]) for k in expected)
 
 
+@needs_hf
+def test_a_base_models_checkpoint_loads_into_a_model_with_a_head_and_the_other_way_round(tmp_path):
+    """As transformers loads them: the base model's prefix (model.) put on or
+    taken off, merged experts included; the head a base checkpoint lacks
+    keeps its initial values (allow_missing), and one a base model lacks is
+    not read."""
+    torch.manual_seed(0)
+    with_head = _mixtral()
+    with_head.save_pretrained(str(tmp_path / "with-head"))
+    with_head.model.save_pretrained(str(tmp_path / "base"))
+    for model_class, directory, allow_missing in [(transformers.MixtralForCausalLM, "base", True),
+                                                  (transformers.MixtralModel, "with-head", False)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = model_class.from_pretrained(str(tmp_path / directory)).state_dict()
+            with offload.from_pretrained(model_class, str(tmp_path / directory), config(3, "cpu", 1, param_device="cpu"),
+                                         allow_missing=allow_missing) as engine:
+                loaded = engine.state_dict()
+        assert loaded.keys() == expected.keys()
+        assert [k for k in expected if k != "lm_head.weight" and not torch.equal(loaded[k], expected[k])] == []
+
+
 def _merged_load_worker(rank: int, port: int, out_dir: str) -> None:
     init_gloo(rank, 2, port)
     expected = read_safetensors(os.path.join(out_dir, "expected.safetensors"))

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.errors import UsageError, in_brief
+from offload.peft_models import checkpoint_names
 from offload.zero.materialize import hugging_face_model
 
 @dataclass
@@ -132,8 +133,9 @@ def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[st
     # As transformers reads a base model's checkpoint into a model with a head, and the other way round: the base's
     # prefix (``model.``) taken off or put on where that gives a key of the model.
     prefix = getattr(base, "base_model_prefix", "")
-    model_keys = dict.fromkeys((name for name, _ in [*base.named_parameters(remove_duplicate=False),
-                                                     *base.named_buffers(remove_duplicate=False)]), True)
+    names = checkpoint_names(model)  # a PEFT model's keys under its base's names: LoRA's wrapping left out
+    model_keys = dict.fromkeys((names(name)[-1] for name, _ in [*model.named_parameters(remove_duplicate=False),
+                                                               *model.named_buffers(remove_duplicate=False)]), True)
     found, merges = Conversions(), {}
     for key in keys:
         name, pattern = core.rename_source_key(key, renamings, converters, prefix, model_keys)

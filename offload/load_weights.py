@@ -325,6 +325,19 @@ def _no_weights(directory: str) -> str:
             f"to load_weights, a safetensors file)")
 
 
+_DTYPE = "the DeepSpeed config sets the dtype the model trains in (bf16.enabled, fp16.enabled)"
+_LOCAL = "it reads a local directory (huggingface_hub.snapshot_download(repo_id, revision=...) fetches one)"
+# transformers' from_pretrained arguments that load rather than configure: its config would take some silently.
+_LOADING_ARGUMENTS = {
+    "dtype": _DTYPE, "torch_dtype": _DTYPE,
+    "device_map": "the engine places the model (offload_param, offload_optimizer)",
+    "trust_remote_code": "it builds transformers' own classes; pass a model built from remote code to "
+                         "offload.initialize(model, config, weights=directory)",
+    **dict.fromkeys(["revision", "cache_dir", "token", "subfolder", "force_download", "local_files_only", "proxies"],
+                    _LOCAL),
+}
+
+
 def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | None = None, allow_missing: bool = False,
                     param_groups=None, **model_config):
     """A Hugging Face model class (``transformers.LlamaForCausalLM`` etc., or an
@@ -356,6 +369,9 @@ def from_pretrained(model_class, path: str, config=None, *, nvme_path: str | Non
                          f"model to offload.initialize(model, config, weights=directory)")
     if not by_class and not callable(getattr(model_class, "from_config", None)):  # an Auto class has from_config
         raise UsageError(f"{takes}; got {_short(model_class)}")
+    loading = sorted(set(model_config) & set(_LOADING_ARGUMENTS))
+    if loading:
+        raise UsageError(f"offload.from_pretrained takes no {loading[0]}=: {_LOADING_ARGUMENTS[loading[0]]}")
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"{takes}; got {_short(path)} for the directory")
     path = os.fspath(path)

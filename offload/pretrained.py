@@ -46,6 +46,7 @@ import torch
 from offload.checkpoint.format import fsync_dir
 from offload.errors import UsageError
 from offload.safetensors_file import nbytes, write_safetensors
+from offload.zero.materialize import hugging_face_model
 
 WEIGHTS = "model.safetensors"
 PEFT_PREFIX = "base_model.model."  # every key of a PEFT model's own state dict
@@ -74,12 +75,21 @@ def shards(plan: Plan, max_shard_bytes: int) -> list[Plan]:
 
 
 def model_configs(module: torch.nn.Module) -> dict[str, str]:
-    """The JSON texts of the model's Hugging Face config and generation config, where it has them."""
+    """The JSON texts of the model's Hugging Face config and generation config,
+    where it has them; the config names the model's class (``architectures``),
+    as transformers' save_pretrained records it, where a model built from a
+    config has none (an export builds the model from it)."""
     found = {}
     for name, attr in zip(CONFIGS, ("config", "generation_config")):
         config = getattr(module, attr, None)
         if config is not None and callable(getattr(config, "to_json_string", None)):
             found[name] = config.to_json_string()
+    model = hugging_face_model(module)
+    if "config.json" in found and model is not None:
+        data = json.loads(found["config.json"])
+        if not data.get("architectures"):
+            data["architectures"] = [type(model).__name__]
+            found["config.json"] = json.dumps(data, indent=2, sort_keys=True) + "\n"
     return found
 
 

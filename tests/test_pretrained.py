@@ -83,16 +83,19 @@ def test_save_pretrained_writes_the_state_dict_in_shards_with_an_index(tmp_path,
 @pytest.mark.parametrize("bf16", [False, True])
 def test_save_pretrained_writes_the_compute_dtype_unless_told(tmp_path, bf16):
     """As transformers writes a model in its own dtype: a bf16 run's weights
-    in bf16, an fp32 run's in fp32."""
+    in bf16, an fp32 run's in fp32; so does export --hf from its checkpoint."""
     cfg = config(2, "cpu", 1, **({"bf16": {"enabled": True}} if bf16 else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with offload.initialize(make_model(), cfg) as engine:
             engine.save_pretrained(str(tmp_path / "default"))
             engine.save_pretrained(str(tmp_path / "fp32"), torch.float32)
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
             expected = engine.state_dict(torch.bfloat16 if bf16 else torch.float32)
-    written = _read_directory(tmp_path / "default")
-    assert all(written[k].dtype == expected[k].dtype and torch.equal(written[k], expected[k]) for k in expected)
+        assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported")]) == 0  # the same default
+    for directory in ("default", "exported"):
+        written = _read_directory(tmp_path / directory)
+        assert all(written[k].dtype == expected[k].dtype and torch.equal(written[k], expected[k]) for k in expected)
     assert all(v.dtype == torch.float32 for v in _read_directory(tmp_path / "fp32").values())
 
 
@@ -593,6 +596,24 @@ def test_a_base_models_checkpoint_loads_into_a_model_with_a_head_and_the_other_w
         assert [k for k in expected if k != "lm_head.weight" and not torch.equal(loaded[k], expected[k])] == []
 
 
+@needs_hf
+def test_a_lora_model_loads_its_base_from_a_base_models_checkpoint(tmp_path):
+    """The base model's prefix is put on for the layers LoRA wraps too (their
+    keys are the base's once PEFT's levels are taken off)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    torch.manual_seed(0)
+    base = _llama()
+    base.model.save_pretrained(str(tmp_path / "base"))
+    expected = base.model.state_dict()
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with offload.initialize(model, config(2, "cpu", 1), weights=str(tmp_path / "base"), allow_missing=True) as engine:
+            loaded = engine.state_dict()
+    loaded = {k.removeprefix("base_model.model.model.").replace(".base_layer", ""): v for k, v in loaded.items()}
+    assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
+
+
 def _merged_load_worker(rank: int, port: int, out_dir: str) -> None:
     init_gloo(rank, 2, port)
     expected = read_safetensors(os.path.join(out_dir, "expected.safetensors"))
@@ -635,12 +656,13 @@ def test_save_pretrained_writes_the_layout_transformers_writes(tmp_path, build, 
     if loaded:  # from its own names, it made no conversions, and writes its own names back, as it read them
         model.save_pretrained(str(tmp_path / "as-read"), save_original_format=False)
         model = type(model).from_pretrained(str(tmp_path / "as-read"))
+    trained = copy.deepcopy(model)  # built from a config, as transformers' save has not recorded its class
     model.save_pretrained(str(tmp_path / "hf"))
     expected = _read_directory(tmp_path / "hf")
     own = copy.deepcopy(model).state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with offload.initialize(model, config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None)) as engine:
+        with offload.initialize(trained, config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None)) as engine:
             engine.save_pretrained(str(tmp_path / "original"), max_shard_bytes=40_000)
             engine.save_pretrained(str(tmp_path / "own"), save_original_format=False)
             engine.save_checkpoint(str(tmp_path / "ckpt"))
@@ -714,6 +736,12 @@ def test_from_pretrained_takes_config_changes_and_says_what_has_no_effect_once(t
                                          r".*config.json \(keyword arguments change the model's config"):
         offload.from_pretrained(transformers.MixtralForCausalLM, str(tmp_path / "hf"), config(2, "cpu", 1),
                                 output_router_logitz=True)
+    # transformers' config would take these and change nothing the engine does, or read another config
+    for argument, why in [("dtype", r"the DeepSpeed config sets the dtype .*bf16.enabled"),
+                          ("subfolder", r"it reads a local directory"), ("trust_remote_code", "it builds transformers' own classes")]:
+        with pytest.raises(UsageError, match=rf"^offload.from_pretrained takes no {argument}=: {why}"):
+            offload.from_pretrained(transformers.MixtralForCausalLM, str(tmp_path / "hf"), config(2, "cpu", 1),
+                                    **{argument: torch.bfloat16})
 
 
 @needs_hf

@@ -80,17 +80,18 @@ def export(path: str, out: str, dtype: torch.dtype, tag: str | None = None) -> M
     return manifest
 
 
-def export_pretrained(path: str, out_dir: str, dtype: torch.dtype, tag: str | None = None,
+def export_pretrained(path: str, out_dir: str, dtype: torch.dtype | None, tag: str | None = None,
                       max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                       save_original_format: bool = True) -> tuple[Manifest, list[str]]:
-    """Write a checkpoint's consolidated weights as a model directory
+    """Write a checkpoint's consolidated weights (in ``dtype``; None: the run's
+    compute dtype, as ``Engine.save_pretrained``) as a model directory
     ``from_pretrained`` reads (offload/pretrained.py), with the config files
     the checkpoint kept; returns the manifest and the files written.
     ``save_original_format``: as ``Engine.save_pretrained``'s, for the model
     its config.json describes, built on the meta device to know its layout."""
     directory = resolve(path, tag)
     manifest = read_manifest(directory)
-    plan, tensors = consolidated(directory, manifest, dtype)
+    plan, tensors = consolidated(directory, manifest, getattr(torch, manifest.compute_dtype) if dtype is None else dtype)
     configs = _kept_configs(directory, manifest)
     if "config.json" not in configs:
         warnings.warn(f"{directory} kept no config.json (its model was no Hugging Face model), so from_pretrained "
@@ -115,6 +116,8 @@ def _meta_model(config: str, out_dir: str) -> torch.nn.Module | None:
     architecture = (data.get("architectures") or [None])[0]
     model_class = getattr(transformers, architecture, None) if architecture else None
     try:
+        if architecture is None:
+            raise ValueError("config.json names no architecture")
         if model_class is None:
             raise ValueError(f"transformers {transformers.__version__} has no class {architecture!r}")
         with torch.device("meta"):

@@ -19,6 +19,7 @@ import time
 from offload import checkpoint
 from offload.cli.args import byte_size, output_directory, output_file
 from offload.engine import DTYPES
+from offload.errors import UsageError
 from offload.pretrained import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS
 
 
@@ -33,7 +34,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="the model directory to write, for from_pretrained")
     p.add_argument("--max-shard-size", type=byte_size, default=DEFAULT_SHARD_BYTES,
                    help="with --hf: the largest shard, e.g. 5GB (default 5GB, as transformers)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights' dtype (default: float32 with --out, the run's compute dtype with --hf, as "
+                        "engine.save_pretrained writes)")
     p.add_argument("--model-names", action="store_true",
                    help="with --hf: the model's own state-dict keys, not the older layout transformers' "
                         "save_pretrained writes (one tensor per MoE expert, as on the Hub)")
@@ -42,18 +45,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.out and args.model_names:
+        raise UsageError("--model-names is for --hf: a file written with --out always holds the model's own keys")
     if args.hf:
         earlier = [name for name in (WEIGHTS, INDEX) if os.path.isfile(os.path.join(args.hf, name))]
-        manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, DTYPES[args.dtype], args.tag,
-                                                       args.max_shard_size, not args.model_names)
+        manifest, files = checkpoint.export_pretrained(args.checkpoint, args.hf, args.dtype and DTYPES[args.dtype],
+                                                       args.tag, args.max_shard_size, not args.model_names)
         size = sum(os.path.getsize(os.path.join(args.hf, f)) for f in files)
         wrote = f"{args.hf}: {', '.join(files)}{' (in place of the model that was there)' if earlier else ''};"
     else:
         earlier = os.path.isfile(args.out)
-        manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype], args.tag)
+        manifest = checkpoint.export(args.checkpoint, args.out, DTYPES[args.dtype or "float32"], args.tag)
         size = os.path.getsize(args.out)
         wrote = f"{args.out}{' (in place of the file that was there)' if earlier else ''}:"
     ranks = f"{manifest.world_size} rank{'s' * (manifest.world_size != 1)}"
-    print(f"wrote {wrote} {size / 1e6:.1f} MB, {args.dtype}, from {manifest.tag} "
+    dtype = args.dtype or ("float32" if args.out else manifest.compute_dtype)
+    print(f"wrote {wrote} {size / 1e6:.1f} MB, {dtype}, from {manifest.tag} "
           f"(step {manifest.training.global_steps}, {ranks}) in {time.perf_counter() - start:.1f} s")
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 __version__ = "0.1.0"
 
@@ -107,10 +106,8 @@ def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: 
     with stages 1 and 2 it materialises the whole model first. ``nvme_path``:
     as ``initialize``'s.
     """
-    if config is not None:  # fail here, before building anything
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # what has no effect: initialize, given this config too, says it once
-            _nvme_path_exists(Config.load(config, nvme_path), nvme_path)
+    if config is not None:  # fail here, before building anything; initialize, given it too, says what has no effect
+        _nvme_path_exists(Config.load(config, nvme_path, warn=False), nvme_path)
     with meta_device():
         yield
 

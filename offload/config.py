@@ -314,9 +314,12 @@ class Config:
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update needs device cpu or nvme (it overlaps the CPU step)")
 
     @staticmethod
-    def load(source: "str | os.PathLike | dict | Config", nvme_path: "str | os.PathLike | None" = None) -> "Config":
+    def load(source: "str | os.PathLike | dict | Config", nvme_path: "str | os.PathLike | None" = None,
+             warn: bool = True) -> "Config":
         """``nvme_path``: replaces every ``nvme_path`` of the config before it is
-        checked, so a config naming no path, or another machine's, is valid with it."""
+        checked, so a config naming no path, or another machine's, is valid with it.
+        ``warn``: say which settings have no effect (a check whose caller loads
+        the config again later, and says it then, passes False)."""
         if isinstance(source, Config):
             return source if nvme_path is None else source.with_nvme_path(nvme_path)
         if isinstance(source, (str, os.PathLike)):
@@ -327,7 +330,7 @@ class Config:
             raise ConfigError(f"a config is a path, a dict or a Config, got {type(source).__name__}")
         data = bf16_named(data)
         if nvme_path is not None:
-            if isinstance(data, dict) and not nvme_sections(data):
+            if warn and isinstance(data, dict) and not nvme_sections(data):
                 warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
                               "is on nvme (zero_optimization.offload_optimizer.device, offload_param.device)",
                               UserWarning, stacklevel=2)
@@ -348,7 +351,7 @@ class Config:
         idle += [f"{', '.join(sorted(at_default))} (DeepSpeed's defaults, for what is not implemented here)"] \
             if at_default else []
         idle += [f"{key} ({why})" for key, why in _without_effect(config, reading.given)]
-        if idle:
+        if idle and warn:
             warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=2)
         return config
 

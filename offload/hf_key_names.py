@@ -1,5 +1,6 @@
-"""A pretrained checkpoint seen under the names a Hugging Face model loads its
-keys as.
+"""transformers' key conversions, both ways: a pretrained checkpoint seen
+under the names a Hugging Face model loads its keys as, and a model's
+weights written in the layout transformers' own save writes.
 
 Note [transformers' key conversions]
 transformers (>= 5) keeps reading checkpoints written in older layouts by
@@ -47,6 +48,7 @@ import torch
 from offload.errors import UsageError, in_brief
 from offload.peft_models import checkpoint_names
 from offload.zero.materialize import hugging_face_model
+
 
 @dataclass
 class Merge:
@@ -113,9 +115,9 @@ def conversions(model: torch.nn.Module, keys: Iterable[str], shape: Callable[[st
     """For the checkpoint ``keys`` (at ``path``, each of ``shape``) of ``model``'s
     pretrained weights: what transformers renames and merges them into, with
     the base model's prefix taken off or put on as it does; nothing for a
-    model that is not a transformers one. Two keys that would
-    give one tensor are refused: which one transformers reads depends on its
-    loading order, not on the names."""
+    model that is not a transformers one. Two keys that would give one
+    tensor are refused: which one transformers reads depends on its loading
+    order, not on the names."""
     base = hugging_face_model(model)
     if base is None:
         return Conversions()

@@ -35,7 +35,7 @@ COPY_INSTEAD = ("copy the model before offload.initialize, or build a copy and l
 # Attributes read or set without reading values; views (``T``, ``mT``, ``real``...) are not among them.
 _ATTRIBUTES = frozenset({
     "shape", "dtype", "device", "layout", "requires_grad", "grad", "grad_fn", "is_leaf", "ndim", "nbytes",
-    "itemsize", "names", "retains_grad", "output_nr", "_version", "_base", "is_cuda", "is_cpu", "is_meta",
+    "itemsize", "names", "retains_grad", "grad_dtype", "output_nr", "_version", "_base", "is_cuda", "is_cpu", "is_meta",
     "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
 })
 _METHODS = frozenset({
@@ -43,6 +43,8 @@ _METHODS = frozenset({
     "is_floating_point", "is_complex", "is_signed", "is_shared", "is_pinned", "is_set_to", "get_device",
     "untyped_storage", "data_ptr", "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
     "_has_compatible_shallow_copy_type",
+    # what torch.compile reads of a tensor it meets (a layer's checks before its submodule gathers it)
+    "_is_view", "is_inference", "is_neg", "is_conj", "_is_zerotensor",
     # new tensors shaped like it, its values unread
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
     "new_zeros", "new_ones", "new_empty", "new_full",

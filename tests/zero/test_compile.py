@@ -1,7 +1,7 @@
 """A model compiled after ``initialize`` (Note [stage 3 under torch.compile])
 trains as AdamW on an eager copy does, at stage 2 and at stage 3 with every
-weight on NVMe, with its graphs compiled; a compiled module handed to
-``initialize`` is refused by name."""
+weight on NVMe, with its graphs compiled, and evaluates as the eager one;
+a compiled module handed to ``initialize`` is refused by name."""
 
 import inspect
 
@@ -39,6 +39,29 @@ def test_a_model_compiled_after_initialize_trains_as_adamw(tmp_path, stage):
         assert max_difference(engine.state_dict(), ref) < TOLERANCE
     # The hooks ran eagerly: Dynamo compiled nothing of their wrapper (traced, it recompiled per signature).
     assert _debug_get_cache_entry_list(inspect.unwrap(stage3._eager.__call__).__code__) == []
+
+
+def test_a_compiled_layer_that_reads_its_submodules_weights_first_evaluates_at_stage_3(tmp_path):
+    """nn.TransformerEncoderLayer in eval mode looks at its attention's weights
+    before that module's forward gathers them (its fast-path checks): what
+    Dynamo reads of them then is metadata, which a partitioned weight has."""
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0))
+        cfg = config(3, "cpu", 1, param_device="cpu")
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        torch._dynamo.reset()
+        with offload.initialize(model, cfg) as engine:
+            if compiled:
+                engine.module.compile()
+            x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+            engine.backward(engine(x).sum())
+            engine.step()
+            engine.eval()
+            with torch.no_grad():
+                results.append(engine(x))
+    assert torch.equal(results[0], results[1])
 
 
 def test_a_compiled_module_is_refused_by_initialize():

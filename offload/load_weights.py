@@ -210,7 +210,7 @@ class ConvertedCheckpoint:
     def __init__(self, checkpoint: SafetensorsCheckpoint | TensorsCheckpoint, model: torch.nn.Module) -> None:
         self.checkpoint, self.name = checkpoint, checkpoint.name
         self.conversions = conversions(model, checkpoint.keys(), checkpoint.shape, checkpoint.name)
-        self._model = model
+        self._base = hugging_face_model(model)  # what a merge is converted for
         self._merge: Merge | None = None  # the last merge read, and the tensors it gave
         self._merged: dict[str, torch.Tensor] = {}
 
@@ -239,7 +239,7 @@ class ConvertedCheckpoint:
         if merge is not self._merge:
             self._merge, self._merged = None, {}  # the last one's memory back before this one's is taken
             self._merged = merge.convert(lambda k: self.checkpoint.read(k).reshape(self.checkpoint.shape(k)),
-                                         hugging_face_model(self._model))
+                                         self._base)
             self._merge = merge
         return self._merged[key].reshape(-1)[lo:hi]
 

@@ -31,6 +31,7 @@ the old one).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import glob
 import itertools
@@ -80,16 +81,14 @@ def model_configs(module: torch.nn.Module) -> dict[str, str]:
     as transformers' save_pretrained records it, where a model built from a
     config has none (an export builds the model from it)."""
     found = {}
+    model = hugging_face_model(module)
     for name, attr in zip(CONFIGS, ("config", "generation_config")):
         config = getattr(module, attr, None)
         if config is not None and callable(getattr(config, "to_json_string", None)):
+            if name == "config.json" and model is not None and not getattr(config, "architectures", None):
+                config = copy.copy(config)  # the model's own is left as it is
+                config.architectures = [type(model).__name__]
             found[name] = config.to_json_string()
-    model = hugging_face_model(module)
-    if "config.json" in found and model is not None:
-        data = json.loads(found["config.json"])
-        if not data.get("architectures"):
-            data["architectures"] = [type(model).__name__]
-            found["config.json"] = json.dumps(data, indent=2, sort_keys=True) + "\n"
     return found
 
 

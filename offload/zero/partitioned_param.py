@@ -52,12 +52,12 @@ _METHODS = frozenset({
 _GUARDED_RESULT = frozenset({"data", "detach"})  # a tensor sharing the empty storage, guarded in turn
 _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
-_names: dict[int, str] = {}  # id of each hidden parameter -> its name, for messages
-
 
 def _name_of(tensor) -> str:
-    """A hidden parameter's name; a guarded tensor (``.data``, ``detach``) carries its parameter's."""
-    return _names.get(id(tensor)) or vars(tensor).get("parameter_name", "a parameter")
+    """A hidden parameter's name, or the name a guarded tensor (``.data``, ``detach``) carries of its
+    parameter's. On the tensor itself, not in a table by id: a hidden parameter that dies unrevealed
+    (an engine never closed) would lend its name to whatever object reuses its id."""
+    return vars(tensor).get("_offload_name", "a parameter")
 
 
 def _casts(name: str, args: tuple, kwargs: dict) -> bool:
@@ -150,7 +150,7 @@ def _hidden_class(cls: type) -> type:
 
 def _guarded(tensor: torch.Tensor, name: str) -> torch.Tensor:
     hidden = tensor.as_subclass(_hidden_class(torch.Tensor))
-    vars(hidden)["parameter_name"] = name
+    vars(hidden)["_offload_name"] = name
     return hidden
 
 
@@ -158,11 +158,11 @@ def hide(param: torch.nn.Parameter, name: str) -> None:
     """``param``'s storage is empty now: refuse what would read it."""
     if not isinstance(param, _Hidden):
         param.__class__ = _hidden_class(type(param))
-    _names[id(param)] = name
+    vars(param)["_offload_name"] = name
 
 
 def reveal(param: torch.nn.Parameter) -> None:
     """``param`` holds its values (or the engine lets it go): its own class again."""
     if isinstance(param, _Hidden):
         param.__class__ = type(param).__mro__[2]
-        del _names[id(param)]
+        del vars(param)["_offload_name"]

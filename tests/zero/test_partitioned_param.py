@@ -8,6 +8,7 @@ import torch
 
 from offload import _native
 from offload.errors import UsageError
+from offload.zero.partitioned_param import hide, reveal
 
 from .harness import batch, config, make_model, train_engine
 
@@ -80,3 +81,24 @@ def test_a_parameter_keeps_its_own_class_and_one_left_without_values_stays_guard
     engine.close(restore_model=False)  # too big to hold: parameters stay without storage
     with pytest.raises(UsageError, match=r"^blocks\.1\.0\.weight: offload stage 3 keeps it partitioned"):
         tagged.sum()
+
+
+def test_a_parameter_that_dies_partitioned_lends_its_name_to_nothing():
+    """An engine never closed leaves its parameters guarded; once they die,
+    the tensors that reuse their memory (and so their id) must not be
+    reported under their names, as a CI run once reported blocks.0.0.weight's
+    ``.data`` as a Llama weight an earlier test had left behind."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    hide(w, "fresh")
+    stale = [torch.zeros(2).as_subclass(torch.Tensor) for _ in range(256)]
+    for tensor in stale:
+        hide(tensor, "stale")
+    freed = {id(tensor) for tensor in stale}
+    del stale, tensor
+    datas = [w.data for _ in range(256)]  # guarded tensors, allocated where the stale ones were
+    reused = [data for data in datas if id(data) in freed]
+    assert reused, "no tensor reused a dead one's id: nothing was checked"
+    for data in reused:
+        with pytest.raises(UsageError, match=r"^fresh: offload stage 3 keeps it partitioned"):
+            data.sum()
+    reveal(w)

@@ -289,6 +289,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """The model's forward; arguments pass through unchanged (``engine(**batch)``
         for a dict of keyword inputs, as a Hugging Face model takes)."""
+        if self._backward_raised:
+            self._settle_raised_backward(graph_kept=False)  # a new graph: the raised one's pass hooks go
         self.weights.begin_pass()
         return self.module(*args, **kwargs)
 
@@ -314,11 +316,10 @@ class Engine:
         DeepSpeed's returns the loss (``loss = engine.backward(loss)``)."""
         loss = _loss_of(loss)
         self._refuse_changed_freezing()
-        if self._backward_raised:  # what it computed joins the window, as in torch's .grad
-            self._end_backward(complete=False)
-        # A backward more before step() (its gradient joins the window's, as in DeepSpeed), or after one that
-        # raised: speculation that took the window as complete is undone.
-        if self._window_ended or self._backward_raised:
+        if self._backward_raised:  # no forward since: the graph it raised in may be the one this backward runs
+            self._settle_raised_backward(graph_kept=True)
+        elif self._window_ended:
+            # A backward more before step(): its gradient joins the window's, as in DeepSpeed.
             self.update.reopen(self.times)
         last = self._next_backward_ends()
         if last:
@@ -341,6 +342,17 @@ class Engine:
         self._stepped_since_backward = False
         self._window_ended = last
         return loss
+
+    def _settle_raised_backward(self, graph_kept: bool) -> None:
+        """The last backward raised: what it computed joins the window, as in
+        torch's ``.grad``, and speculation that took the window as complete is
+        undone. Before the next forward, backward or step, whichever comes
+        first: a stage 3 forward would otherwise gather into passes the raised
+        backward never closed, and the next backward's closing would remove
+        that forward's hooks with them."""
+        self._backward_raised = False
+        self._end_backward(complete=False, graph_kept=graph_kept)
+        self.update.reopen(self.times)
 
     def _end_backward(self, complete: bool = True, graph_kept: bool = False) -> None:
         self.reducer.end_of_backward(complete)
@@ -481,6 +493,8 @@ class Engine:
         """The optimizer step, at gradient-accumulation boundaries only."""
         self._stepped_since_backward = True
         self._step_applied = False
+        if self._backward_raised:
+            self._settle_raised_backward(graph_kept=False)
         if not self._window_ended:
             return
         if self._holding:

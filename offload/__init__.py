@@ -54,12 +54,15 @@ def initialize(model, config: str | os.PathLike | dict | Config | None = None, i
     if weights is None:
         return Engine(model, config, init_fn, param_groups)
     weights = os.fspath(weights)
-    init_fn = init_covering(model, weights, init_fn or model_init(model)) if is_meta(model) else init_fn
+    on_meta = is_meta(model)
+    init_fn = init_covering(model, weights, init_fn or model_init(model)) if on_meta else init_fn
     engine = Engine(model, config, init_fn, param_groups)
     try:
         load_weights(engine, weights, allow_missing)
     except BaseException:
-        engine.close(restore_model=False)
+        # The user's own model gets its parameters and dtypes back, usable as before; one built on meta
+        # may be too big to hold whole, and the user never had it.
+        engine.close(restore_model=not on_meta)
         raise
     return engine
 

@@ -325,6 +325,27 @@ def test_load_weights_names_a_missing_key_and_a_wrong_shape(tmp_path):
             offload.load_weights(engine, directory)
 
 
+@pytest.mark.parametrize("stage,bf16", [(2, True), (3, False)])
+def test_initialize_that_cannot_load_its_weights_leaves_the_users_model_as_it_was(tmp_path, stage, bf16):
+    """A failed ``initialize(weights=...)`` closed its engine without giving
+    the model back: at stage 3 its parameters were left without storage, so
+    its forward and any new engine failed; at stages 1-2 it stayed in bf16."""
+    model = make_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kept = {k: v for k, v in make_model(5).state_dict().items() if k != "blocks.1.0.weight"}
+    path = str(tmp_path / "partial.safetensors")
+    write_safetensors(path, [(k, v.dtype, tuple(v.shape)) for k, v in kept.items()], kept.items())
+    cfg = config(stage, "cpu", 1, param_device="cpu" if stage == 3 else None, bf16={"enabled": bf16})
+    with pytest.raises(UsageError, match="blocks.1.0.weight missing from"):
+        offload.initialize(model, cfg, weights=path)
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert torch.isfinite(model(batch(0, 0, 0))).all()
+    with offload.initialize(model, cfg) as engine:
+        engine.backward(engine(batch(0, 0, 0)))
+        engine.step()
+
+
 @pytest.mark.parametrize("stage,device,param_device", [(1, "cpu", None), (3, "nvme", "nvme")])
 def test_allow_missing_keeps_the_models_own_values_for_what_the_checkpoint_lacks(tmp_path, stage, device,
                                                                                   param_device):

@@ -55,6 +55,7 @@ from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrai
 from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
 from offload.schedule import schedule_of
+from offload.signals import sigint_held
 from offload.store.pool import PinnedPool, footprint
 from offload.zero import comm
 from offload.zero.consolidate import (
@@ -82,6 +83,17 @@ KEPT_BUFFERS = {"inv_freq", "original_inv_freq"}  # Note [buffers in low precisi
 LR_RESUMES = "load_checkpoint: the learning rate resumes at the saved"
 _HELD: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()  # model -> its engine
 # (beside the model, not on it: an attribute would travel with its pickles and deep copies)
+
+
+def _holding_sigint(what: str):
+    """Note [Ctrl-C inside the engine] (signals.py)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def held(*args, **kwargs):
+            with sigint_held(what):
+                return method(*args, **kwargs)
+        return held
+    return decorate
 
 
 def _while_open(method):
@@ -286,6 +298,7 @@ class Engine:
     # -- training ------------------------------------------------------------------
 
     @_while_open
+    @_holding_sigint("forward")
     def __call__(self, *args, **kwargs):
         """The model's forward; arguments pass through unchanged (``engine(**batch)``
         for a dict of keyword inputs, as a Hugging Face model takes)."""
@@ -304,6 +317,7 @@ class Engine:
         return self.train(False)
 
     @_while_open
+    @_holding_sigint("backward")
     def backward(self, loss, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (scaled for fp16, divided over accumulation steps
         unless ``scale_wrt_gas`` is false, as in DeepSpeed: for a loss already
@@ -489,6 +503,7 @@ class Engine:
         return self._window_ended
 
     @_while_open
+    @_holding_sigint("optimizer step")
     def step(self) -> None:
         """The optimizer step, at gradient-accumulation boundaries only."""
         self._stepped_since_backward = True
@@ -875,6 +890,7 @@ class Engine:
 
     # -- the end -------------------------------------------------------------------
 
+    @_holding_sigint("close")
     def close(self, restore_model: bool = True) -> None:
         """Finish pending work, give the model back, remove hooks and swap files
         (also after a failure). ``restore_model``: the model's parameters and

@@ -12,12 +12,32 @@ that signal, without a traceback. Later signals are ignored, so a second
 Ctrl-C cannot cut that cleanup short. It is installed only when asked for: a
 program may have handlers of its own. ``offload train`` has its own
 (offload/cli/interrupt.py).
+
+Note [Ctrl-C inside the engine]
+A KeyboardInterrupt lands between any two bytecodes: inside a lock's release,
+between an optimizer sub-group's read and its write-back, while a worker
+thread holds a sub-group the main thread is about to take back. Raised
+there, it left engines whose ``close()`` failed ("shard ... is on_disk,
+expected resident"), a stage 3 model without its weights, and once a
+``close()`` waiting forever on a worker. So while the engine runs a
+forward, a backward or a step in the main thread, SIGINT is held: the
+handler the program had (Python's, which raises KeyboardInterrupt, or one of
+its own such as ``exit_on_signals``') runs as soon as that call returns (or
+raises), with the engine consistent, and training can go on or the engine be closed.
+One line on stderr says so; a second SIGINT runs the handler at once, for a
+call that takes too long (the engine may then be unusable: close it, or
+resume from a checkpoint). A handler that is not Python's own (SIG_IGN,
+SIG_DFL) is left alone, as is any thread other than the main one, which
+never receives signals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 
 def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -30,3 +50,38 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
 
     for s in signals:
         signal.signal(s, handle)
+
+
+_holding = False  # a call is holding SIGINT already (a forward inside a backward's recomputation)
+
+
+@contextlib.contextmanager
+def sigint_held(what: str) -> Iterator[None]:
+    """Note [Ctrl-C inside the engine]: SIGINT's handler runs after the body, not inside it."""
+    global _holding
+    previous = signal.getsignal(signal.SIGINT)
+    if _holding or not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[object] = []
+
+    def hold(signum, frame) -> None:
+        if came:  # the second: at once, and only it
+            came.clear()
+            signal.signal(signal.SIGINT, previous)
+            previous(signum, frame)
+            return
+        came.append(frame)
+        print(f"offload: Ctrl-C: the {what} under way finishes first, so that the engine stays usable; "
+              "Ctrl-C again stops it now", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, hold)
+    _holding = True
+    try:
+        yield
+    finally:  # also after an error: a program's own handler learns of the signal either way
+        _holding = False
+        if signal.getsignal(signal.SIGINT) is hold:
+            signal.signal(signal.SIGINT, previous)
+        if came:
+            previous(signal.SIGINT, came[0])

@@ -365,7 +365,10 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "tokens_per_s": tokens_per_step / median["wall"],
         "seconds_per_step": {k: median[k] for k in ("wall", "compute", "optimizer", "swap", "other", "optimizer_hidden")},
         # This rank's, per step applied, over all steps (each step's write-backs finish during the next).
-        "disk_bytes_per_step": {"bytes_read": disk.bytes_read / applied, "bytes_written": disk.bytes_written / applied},
+        # bytes_kept: what a read would have brought that a write-back still held, so it was not read; how much
+        # depends on how far write-backs had got, so read + kept is what a step needs, not read alone.
+        "disk_bytes_per_step": {"bytes_read": disk.bytes_read / applied, "bytes_written": disk.bytes_written / applied,
+                                "bytes_kept": disk.bytes_kept / applied},
         "skipped_steps": engine.skipped_steps, "loss_scale": engine.loss_scale,  # a resumed run's too
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),
@@ -443,6 +446,7 @@ def _report(s: dict, out_dir: str) -> str:
     if t["optimizer_hidden"]:
         split += f"; beside compute, {t['optimizer_hidden']:.3f}s more of optimizer work"
     disk = s["disk_bytes_per_step"]
+    kept = f" (and {human_bytes(disk['bytes_kept'])} found still in write-back buffers)" if disk["bytes_kept"] else ""
     peaks = ", ".join(f"{tier} {human_bytes(b)}" for tier, b in s["peak_bytes_per_tier"].items())
     resumed = s["resumed_from"]
     steps = f"{s['steps']} steps" if resumed is None else \
@@ -454,7 +458,7 @@ def _report(s: dict, out_dir: str) -> str:
         f"{s['tokens_per_s']:,.0f} tokens/s; median step {t['wall']:.3f}s: {split}",
         *([f"{s['skipped_steps']} of {s['steps']} steps skipped for an fp16 overflow (not in the figures above); "
            f"loss scale now {s['loss_scale']:g}"] if s["skipped_steps"] else []),
-        f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read, "
+        f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read{kept}, "
         f"{human_bytes(disk['bytes_written'])} written; peak per tier{' (rank 0)' if s['world_size'] > 1 else ''}: "
         f"{peaks}",
         f"summary: {os.path.join(out_dir, 'summary.json')}",

@@ -20,15 +20,16 @@ thread holds a sub-group the main thread is about to take back. Raised
 there, it left engines whose ``close()`` failed ("shard ... is on_disk,
 expected resident"), a stage 3 model without its weights, and once a
 ``close()`` waiting forever on a worker. So while the engine runs a
-forward, a backward or a step in the main thread, SIGINT is held: the
-handler the program had (Python's, which raises KeyboardInterrupt, or one of
-its own such as ``exit_on_signals``') runs as soon as that call returns (or
-raises), with the engine consistent, and training can go on or the engine be closed.
-One line on stderr says so; a second SIGINT runs the handler at once, for a
-call that takes too long (the engine may then be unusable: close it, or
-resume from a checkpoint). A handler that is not Python's own (SIG_IGN,
-SIG_DFL) is left alone, as is any thread other than the main one, which
-never receives signals.
+forward, a backward, a step or its close in the main thread, SIGINT is
+held: the handler the program had (Python's, which raises
+KeyboardInterrupt, or one of its own such as ``exit_on_signals``' or
+``offload train``'s) runs as soon as that call returns or raises, with the
+engine consistent, so training can go on or the engine be closed. Under
+Python's handler one line on stderr says so; a program's own handler says
+what it does itself. A second SIGINT runs the handler at once, for a call
+that takes too long (the engine may then be unusable: close it, or resume
+from a checkpoint). SIG_IGN and SIG_DFL are left alone, as is any thread
+but the main one, which never receives signals.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def sigint_held(what: str) -> Iterator[None]:
             previous(signum, frame)
             return
         came.append(frame)
-        print(f"offload: Ctrl-C: the {what} under way finishes first, so that the engine stays usable; "
-              "Ctrl-C again stops it now", file=sys.stderr, flush=True)
+        if previous is signal.default_int_handler:  # a program's own handler says what it does itself
+            print(f"offload: Ctrl-C: the {what} under way finishes first, so that the engine stays usable; "
+                  "Ctrl-C again stops it now", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGINT, hold)
     _holding = True

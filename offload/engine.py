@@ -71,6 +71,7 @@ from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.loss_scale import LossScaler
 from offload.zero.materialize import descendant_writer, is_meta, materialize, model_init
 from offload.zero.optimizer import make_optimizer
+from offload.zero.partitioned_param import is_hidden
 from offload.zero.overlap import OverlappedStep
 from offload.zero.owned_grad import InMemoryGradient, OnDiskGradient, gradient_dtype
 from offload.zero.stage3 import PartitionedWeights
@@ -142,6 +143,13 @@ class Engine:
             raise UsageError("offload.initialize was given a model another engine still trains (its hooks and "
                              "partitioned parameters are that engine's); call that engine's close() first, which "
                              "gives the model back, or build a new model")
+        left = next((name for name, p in model.named_parameters() if is_hidden(p)), None)
+        if left is not None:
+            raise UsageError(f"offload.initialize was given a model an earlier stage 3 engine left partitioned ({left} "
+                             "has no values here): that engine was dropped without close(), or closed with "
+                             "restore_model=False, so the model holds no whole weights to start from; build the model "
+                             "again, or load a checkpoint into a new one (an engine's close(), or `with "
+                             "offload.initialize(...) as engine:`, gives its model back)")
         dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it takes ~1 s)
         if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "

@@ -63,6 +63,7 @@ from offload.report import MemoryReport
 from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout
 from offload.zero.owned_grad import OwnedGradient
+from offload.zero.weak_hooks import weakly
 
 
 class GradientReducer:
@@ -90,7 +91,7 @@ class GradientReducer:
     def install(self) -> None:
         """Register the gradient hooks: after the parameters are final objects
         (materialising a meta-built model swaps tensors, which drops hooks)."""
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.layout.slots]
+        self._hooks = [s.param.register_post_accumulate_grad_hook(weakly(self._on_grad)) for s in self.layout.slots]
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         slot = self.slot_of[param]

@@ -161,6 +161,11 @@ def hide(param: torch.nn.Parameter, name: str) -> None:
     vars(param)["_offload_name"] = name
 
 
+def is_hidden(param: torch.Tensor) -> bool:
+    """``param`` was left partitioned, without values: its engine is gone or keeps it."""
+    return isinstance(param, _Hidden)
+
+
 def reveal(param: torch.nn.Parameter) -> None:
     """``param`` holds its values (or the engine lets it go): its own class again."""
     if isinstance(param, _Hidden):

@@ -136,6 +136,7 @@ from offload.zero import comm
 from offload.zero.layout import Bucket, FlatLayout, Slot
 from offload.zero.partitioned_param import COPY_INSTEAD, hide, reveal
 from offload.zero.transfer import Pending, Transfer
+from offload.zero.weak_hooks import weakly
 
 
 class ParamState(enum.Enum):
@@ -394,7 +395,7 @@ class PartitionedWeights:
             self._hooks.append(module.register_forward_hook(_eager(self._post_forward), always_call=True))
         for m in self._managed.values():
             if m.slot.param.requires_grad:
-                self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(self._after_grad))
+                self._hooks.append(m.slot.param.register_post_accumulate_grad_hook(weakly(self._after_grad)))
 
     # -- the model's own copies (Note [the model's own copies]) ----------------------------
 

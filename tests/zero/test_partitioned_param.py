@@ -6,6 +6,7 @@ each parameter its own class back."""
 import pytest
 import torch
 
+import offload
 from offload import _native
 from offload.errors import UsageError
 from offload.zero.partitioned_param import hide, reveal
@@ -81,6 +82,8 @@ def test_a_parameter_keeps_its_own_class_and_one_left_without_values_stays_guard
     engine.close(restore_model=False)  # too big to hold: parameters stay without storage
     with pytest.raises(UsageError, match=r"^blocks\.1\.0\.weight: offload stage 3 keeps it partitioned"):
         tagged.sum()
+    with pytest.raises(UsageError, match=r"an earlier stage 3 engine left partitioned \(gain has no values"):
+        offload.initialize(model, _config("cpu", str(tmp_path)))
 
 
 def test_a_parameter_that_dies_partitioned_lends_its_name_to_nothing():

@@ -145,11 +145,11 @@ class Engine:
                              "gives the model back, or build a new model")
         left = next((name for name, p in model.named_parameters() if is_hidden(p)), None)
         if left is not None:
-            raise UsageError(f"offload.initialize was given a model an earlier stage 3 engine left partitioned ({left} "
-                             "has no values here): that engine was dropped without close(), or closed with "
-                             "restore_model=False, so the model holds no whole weights to start from; build the model "
-                             "again, or load a checkpoint into a new one (an engine's close(), or `with "
-                             "offload.initialize(...) as engine:`, gives its model back)")
+            raise UsageError(f"offload.initialize was given a model an earlier stage 3 engine left partitioned "
+                             f"({left} has no values here): that engine failed while partitioning it, was dropped "
+                             "without close(), or was closed with restore_model=False, so the model holds no whole "
+                             "weights to start from; build the model again, or load a checkpoint into a new one (an "
+                             "engine's close(), or `with offload.initialize(...) as engine:`, gives its model back)")
         dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled (importing it takes ~1 s)
         if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             raise UsageError("offload.initialize was given a torch.compile'd module, whose parameters and state-dict "

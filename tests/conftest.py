@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -16,3 +17,12 @@ def pytest_sessionstart(session):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT as in a terminal, whatever the test runner was started with (a
+    job started with ``&`` from a script ignores it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -288,14 +288,6 @@ def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path, signum):
     assert not out.exists()
 
 
-@pytest.fixture
-def default_sigint():
-    """SIGINT as in a terminal, whatever the test runner was started with."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_an_error_after_ctrl_c_is_reported_as_the_interruption(monkeypatch, capsys, default_sigint):
     """A rank waiting in a collective when Ctrl-C comes raises the collective's
     error first (its peer has left) and handles the SIGINT later, in cleanup.

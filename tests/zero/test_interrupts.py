@@ -64,8 +64,7 @@ def _interrupted_once(engine, where: str) -> int:
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("where", ["forward", "backward", "step"])
-def test_ctrl_c_inside_a_call_lets_it_finish_and_training_goes_on(tmp_path, stage, where):
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # what a script or a notebook has
+def test_ctrl_c_inside_a_call_lets_it_finish_and_training_goes_on(tmp_path, stage, where, default_sigint):
     cfg = _config(stage, str(tmp_path))
     with train_engine(make_model(), STEPS, 1, cfg) as plain:
         expected = plain.state_dict()
@@ -79,7 +78,7 @@ def test_ctrl_c_inside_a_call_lets_it_finish_and_training_goes_on(tmp_path, stag
     assert all(torch.equal(v, got[k]) for k, v in model.state_dict().items())  # close() gave the model back
 
 
-def test_a_second_ctrl_c_stops_at_once_and_a_programs_own_handler_runs_after(capsys):
+def test_a_second_ctrl_c_stops_at_once_and_a_programs_own_handler_runs_after(capsys, default_sigint):
     with pytest.raises(KeyboardInterrupt):
         with sigint_held("test call"):
             _thread.interrupt_main()

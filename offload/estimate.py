@@ -28,8 +28,12 @@ accelerator):
   weights        stages 1-2: d*P on the accelerator (replicated);
                  stage 3: d*n in the weight tier (with weights on nvme, the
                  first max_in_cpu elements in host memory instead), plus, on
-                 the accelerator, the persistent parameters and the module
-                 being run (the largest parameter stands for it), plus a
+                 the accelerator, the persistent parameters, the module
+                 being run (the largest parameter stands for it) and, with
+                 weights off it, the parts uploaded ahead (at most
+                 stage3_prefetch_bucket_size elements, and what
+                 stage3_max_live_parameters leaves; with every part on
+                 disk, what buffer_count - 2 read-ahead buffers hold), plus a
                  handover buffer of d*s where the optimizer produces new
                  weights. Read-ahead lives in the weight pool, whose cap is
                  counted: stage3_max_live_parameters only bounds how much of
@@ -129,6 +133,23 @@ class ModelShape:
     def _parts(self, gpus: int) -> list[int]:
         unit = gpus * ALIGN
         return [-(-n // unit) * unit // gpus for n in self.sizes]
+
+    def ahead(self, window: int, threshold: int) -> int:
+        """Elements stage 3 may upload ahead within ``window``: the parts due next
+        (parameters above ``threshold``, in registration order, which stands
+        for the order they run in) up to the first that would pass it. Without
+        the sizes, the whole window."""
+        if window <= 0 or not self.sizes:
+            return max(0, window)
+        due = [n for n in self.sizes if n > threshold]
+        best = total = start = 0
+        for n in due:  # the fullest run of consecutive parts within the window
+            total += n
+            while total > window:
+                total -= due[start]
+                start += 1
+            best = max(best, total)
+        return best
 
     def persistent(self, threshold: int) -> int:
         """Elements of the parameters stage 3 keeps gathered (at most ``threshold`` elements each)."""
@@ -286,7 +307,14 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
             tiers["device" if setup.weights == "none" else "host"]["weights (partition)"] = d * n
         persistent = shape.persistent(zero.stage3_param_persistence_threshold)
         running = shape.largest if shape.largest > zero.stage3_param_persistence_threshold else 0
-        tiers["device"]["weights (gathered)"] = d * min(persistent + running, P)
+        ahead = 0
+        if setup.weights != "none":
+            threshold = zero.stage3_param_persistence_threshold
+            ahead = shape.ahead(min(zero.stage3_prefetch_bucket_size,
+                                    zero.stage3_max_live_parameters - persistent - running), threshold)
+            if setup.weights == "nvme" and not in_cpu:  # only parts read into the pool's read-ahead buffers
+                ahead = min(ahead, max(0, zero.offload_param.buffer_count - 2) * shape.largest)
+        tiers["device"]["weights (gathered)"] = d * min(persistent + running + ahead, P)
         tiers[beside_optimizer]["weights (handover buffer)"] = d * sub_group
         tiers["device"]["gradient buckets"] = d * shape.largest_trained
     tiers[grad_tier]["gradients (owned)"] = g * t

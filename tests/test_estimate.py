@@ -165,10 +165,28 @@ def test_the_estimate_counts_only_trained_parameters_for_gradients_and_optimizer
                     frozen=lambda name: name.startswith(("tok.", "pos.", "blocks.0.", "blocks.1.")))
 
 
-def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=lambda name: False):
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+@pytest.mark.parametrize("weights", ["cpu", "nvme"])
+def test_the_estimate_counts_the_weights_uploaded_ahead(tmp_path, weights):
+    """Stage 3 weights in host memory (nvme's within max_in_cpu) go up to the
+    accelerator ahead of their module, up to stage3_prefetch_bucket_size
+    elements: the estimate counts them, for a bucket that no part fits in and
+    one that holds several, and the two peaks differ."""
+    peaks = {bucket: _check_estimate(tmp_path, Setup(3, "cpu", weights), "float32", "float32", overlap_step=False,
+                                     limits={"stage3_max_live_parameters": 10**9,
+                                             "stage3_prefetch_bucket_size": bucket})
+             for bucket in (100_000, 600_000)}
+    assert peaks[600_000] > peaks[100_000] + 2 * 400_000, peaks  # bf16: at least 400K elements went ahead
+
+
+def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=lambda name: False,
+                    limits=None) -> int:
+    """The estimate against the engine's own report, after two steps of the
+    small model; ``limits``: stage 3's, instead of a tight max_live. Returns
+    the accelerator's measured peak."""
     c = SIZES["small"]
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
-            "stage3_max_live_parameters": 200_000,
+            **(limits or {"stage3_max_live_parameters": 200_000}),
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
                                   "gradients_on_nvme": setup.optimizer == "nvme" and setup.weights == "nvme",
                                   "overlap_step": overlap_step,
@@ -200,6 +218,7 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
         assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
     for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
         assert abs(estimated - measured) <= 0.1 * measured + 65536, (estimated, measured)
+    return peak["device"]
 
 
 def test_plan_climbs_the_ladder_as_memory_shrinks():
@@ -212,7 +231,7 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
         # no GPU: "device" is this RAM too, and stage 2 writes new weights into the model's, with no staging copy
         (plan.Machine(1, None, 16 * gib, 100 * gib), Setup(2, "nvme")),
         (plan.Machine(1, None, 11 * gib, 100 * gib), Setup(3, "nvme", "none")),
-        (plan.Machine(1, None, 4 * gib, 100 * gib), Setup(3, "nvme", "nvme")),
+        (plan.Machine(1, None, 4 * gib, 100 * gib, 1.0, 1.0), Setup(3, "nvme", "nvme")),
     ]
     for machine, expected in cases:
         raw, e = plan.choose(shape, machine, "/nvme")
@@ -222,6 +241,10 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
                          host_accelerator=machine.gpu_mem is None)
         assert again.node == e.node and plan.fits(again, machine)
     assert raw["zero_optimization"]["offload_optimizer"]["gradients_on_nvme"]  # 4 GB of fp32 gradient would not fit 4 GiB
+    # nor would DeepSpeed's prefetch bucket, 200 MB of fp32 weights ahead on the accelerator (this RAM): a smaller one
+    assert raw["zero_optimization"]["stage3_prefetch_bucket_size"] == 10_000_000
+    assert "stage3_prefetch_bucket_size 10,000,000, not DeepSpeed's 50,000,000, which would not fit: fewer weights " \
+           "go up ahead of their module." in plan.explain(shape, machine, e, raw)
     assert plan.choose(ModelShape.from_count(10**12), plan.Machine(1, None, 16 * gib, 100 * gib), "/nvme") is None
 
 

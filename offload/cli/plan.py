@@ -38,6 +38,9 @@ from offload.store import AioSettings
 HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
 SUB_GROUPS = (100_000_000, 25_000_000, 5_000_000)  # smaller sub-groups shrink the pinned pool
 IN_CPU = (0.75, 0.5, 0.25, 0.0)  # weights on nvme: the share of each rank's part kept in host memory (max_in_cpu)
+# Stage 3 weights off the accelerator: elements uploaded ahead of their module (DeepSpeed's default first); a
+# smaller bucket holds less on the accelerator, and 0 reads nothing ahead.
+PREFETCH = (50_000_000, 10_000_000, 0)
 
 # From the least to the most data moved per step: (stage, optimizer, weights, gradients on nvme).
 LADDER = [
@@ -94,9 +97,10 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
 
 
 def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, bf16: bool,
-               formats: dict[str, str] | None = None) -> dict:
+               formats: dict[str, str] | None = None, prefetch: int = PREFETCH[0]) -> dict:
     """``in_cpu``: with weights on nvme, the elements of each rank's part kept in host memory.
-    ``formats``: ``state_dtype`` and ``master_dtype`` of an offloaded optimizer, if not float32."""
+    ``formats``: ``state_dtype`` and ``master_dtype`` of an offloaded optimizer, if not float32.
+    ``prefetch``: stage 3's prefetch bucket, written only where it is not the default."""
     stage, optimizer, weights, grads_on_nvme = step
     offload_optimizer = {"device": optimizer}
     if optimizer != "none":
@@ -104,6 +108,8 @@ def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, 
     if optimizer == "nvme":
         offload_optimizer.update(nvme_path=nvme_path, buffer_count=4, gradients_on_nvme=grads_on_nvme)
     zero = {"stage": stage, "sub_group_size": sub_group, "offload_optimizer": offload_optimizer}
+    if stage == 3 and prefetch != PREFETCH[0]:
+        zero["stage3_prefetch_bucket_size"] = prefetch
     if stage == 3:
         zero["offload_param"] = {"device": weights, **({"nvme_path": nvme_path, "max_in_cpu": in_cpu}
                                                         if weights == "nvme" else {})}
@@ -140,8 +146,10 @@ def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
         sub_groups = sorted({min(g, owned) for g in SUB_GROUPS} | {min(math.ceil(owned / 8), SUB_GROUPS[0])},
                             reverse=True)
         shares = IN_CPU if step[2] == "nvme" else IN_CPU[-1:]
-        for share, sub_group in itertools.product(shares, sub_groups if step[1] == "nvme" else sub_groups[:1]):
-            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, formats)
+        prefetches = PREFETCH if step[2] != "none" else PREFETCH[:1]
+        for share, prefetch, sub_group in itertools.product(shares, prefetches,
+                                                            sub_groups if step[1] == "nvme" else sub_groups[:1]):
+            raw = config_for(step, sub_group, int(share * owned), nvme_path, bf16, formats, prefetch)
             e = estimate(shape, Setup(step[0], step[1], step[2]), Config.load(raw), machine.gpus,
                          host_accelerator=machine.gpu_mem is None)
             if fits(e, machine):
@@ -215,7 +223,8 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
 
 def _most_offloaded(shape: ModelShape, machine: Machine, nvme_path: str | None, formats: dict[str, str]) -> Estimate:
     placeholder = nvme_path or os.path.join(tempfile.gettempdir(), "nvme")  # estimated, never written
-    raw = config_for(LADDER[-1], SUB_GROUPS[-1], 0, placeholder, computes_in_bf16(machine, formats), formats)
+    raw = config_for(LADDER[-1], SUB_GROUPS[-1], 0, placeholder, computes_in_bf16(machine, formats), formats,
+                     PREFETCH[-1])
     return estimate(shape, Setup(3, "nvme", "nvme"), Config.load(raw), machine.gpus,
                     host_accelerator=machine.gpu_mem is None)
 
@@ -234,6 +243,11 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
              f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator{'' if machine.gpu_mem else ' (this RAM)'}; per node {e.node['host'] / 1e9:.2f} GB host, "
              f"{e.node['nvme'] / 1e9:.2f} GB NVMe."]
+    prefetch = raw["zero_optimization"].get("stage3_prefetch_bucket_size", PREFETCH[0])
+    if prefetch != PREFETCH[0]:
+        lines.append(f"stage3_prefetch_bucket_size {prefetch:,}, not DeepSpeed's {PREFETCH[0]:,}, which would not fit: "
+                     + ("fewer weights go up ahead of their module." if prefetch else
+                        "no weights go up or are read ahead, so each module waits for its own."))
     if e.disk_read_per_step and machine.read_gbps:
         seconds = e.disk_read_per_step / (machine.read_gbps * 1e9) + e.disk_written_per_step / (machine.write_gbps * 1e9)
         lines.append(f"each step moves {e.disk_read_per_step / 1e9:.1f} GB from and {e.disk_written_per_step / 1e9:.1f} GB "

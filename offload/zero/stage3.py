@@ -230,8 +230,8 @@ def parts_in_cpu(parts: list[int], max_in_cpu: int) -> int:
 def _say_what_stays_in_cpu(parts: list[int], in_cpu: int, max_in_cpu: int) -> None:
     kept = sum(parts[:in_cpu])
     total = sum(parts)
-    rest = ("so nothing is read from disk, and stage3_prefetch_bucket_size, stage3_max_live_parameters "
-            "and offload_param.buffer_count have no effect" if in_cpu == len(parts)
+    # Parts in host memory are still uploaded ahead, within the prefetch bucket and max_live.
+    rest = ("so nothing is read from disk, and offload_param.buffer_count has no effect" if in_cpu == len(parts)
             else f"{total - kept:,} in swap files")
     warnings.warn(f"offload stage 3: offload_param.max_in_cpu={max_in_cpu:,} keeps {kept:,} of this rank's {total:,} "
                   f"weight elements in host memory, as DeepSpeed does, {rest}; set max_in_cpu to 0 to put every "

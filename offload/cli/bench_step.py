@@ -166,20 +166,22 @@ def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
 
 
 def _turn(engine, tokens: torch.Tensor) -> dict:
-    """Note [a turn of two steps]: the second step's measurements, and the CPU
-    the swap files' checksums took per step, averaged over the turn's two
-    steps, whose I/O lies wholly inside it."""
+    """Note [a turn of two steps]: the second step's timings, and the CPU the
+    swap files' checksums took and the bytes they moved per step, averaged
+    over the turn's two steps, whose I/O lies wholly inside it (a step
+    returns with its last write-backs in flight)."""
     checksums = checksum_seconds()
+    before = engine.disk_traffic()
     _one_step(engine, tokens)
     row = _one_step(engine, tokens)
     engine.synchronize()
     row["checksums"] = (checksum_seconds() - checksums) / 2
+    row.update({k: v / 2 for k, v in (engine.disk_traffic() - before)._asdict().items()})
     return row
 
 
 def _one_step(engine, tokens: torch.Tensor) -> dict:
     copy_before = engine.reducer.seconds
-    before = engine.disk_traffic()
     cores = cpu_times.now()
     t0 = time.perf_counter()
     loss = engine(tokens)
@@ -189,12 +191,11 @@ def _one_step(engine, tokens: torch.Tensor) -> dict:
     engine.step()
     t3 = time.perf_counter()
     cores = cpu_times.now() - cores if cores is not None else None
-    disk = engine.disk_traffic() - before
     step_s = t3 - t2
     return {"wall": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "gradient_copy": engine.reducer.seconds - copy_before,
             "optimizer": step_s, "hidden": engine.times.hidden,
             "optimizer_work": step_s + engine.times.hidden,  # wherever it ran
-            "cores": cores, **disk._asdict()}
+            "cores": cores}
 
 
 def measure(args: argparse.Namespace, setups: list[str], nvme: str) -> dict:

@@ -46,6 +46,11 @@ class PinnedPool:
         self.peak_bytes = 0
 
     @property
+    def report_tier(self) -> str:
+        """Its tier in a memory report: pinned only where CUDA pins it."""
+        return "host (pinned pool)" if self.pin else "host (buffer pool)"
+
+    @property
     def in_use_bytes(self) -> int:
         return sum(b.nbytes for b in self._in_use)
 

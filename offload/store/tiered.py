@@ -343,7 +343,8 @@ class TieredStore:
             "cpu": {"bytes": self._tiers[Tier.CPU].current, "peak_bytes": self._tiers[Tier.CPU].peak},
             "nvme": {"bytes": self._tiers[Tier.NVME].current, "peak_bytes": self._tiers[Tier.NVME].peak},
             "pinned": {"bytes": self.pool.allocated_bytes, "peak_bytes": self.pool.peak_bytes,
-                       "in_use_bytes": self.pool.in_use_bytes, "limit_bytes": self.pool.limit_bytes},
+                       "in_use_bytes": self.pool.in_use_bytes, "limit_bytes": self.pool.limit_bytes,
+                       "tier": self.pool.report_tier},
             "io": dict(vars(self.traffic)),
         }
 

@@ -521,7 +521,7 @@ class StoreOptimizer(ShardOptimizer):
         stats = self.store.stats()
         tier = "host" if self.tier == "cpu" else "nvme"
         report.add("optimizer state", tier, stats[self.tier]["bytes"], stats[self.tier]["peak_bytes"])
-        report.add("optimizer state", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+        report.add("optimizer state", stats["pinned"]["tier"], stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic.of(self.store)

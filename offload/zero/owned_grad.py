@@ -319,7 +319,7 @@ class OnDiskGradient:
     def memory(self, report: MemoryReport) -> None:
         stats = self.store.stats()
         report.add("gradients (owned)", "nvme", stats["nvme"]["bytes"], stats["nvme"]["peak_bytes"])
-        report.add("gradients (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+        report.add("gradients (read buffers)", stats["pinned"]["tier"], stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic.of(self.store)

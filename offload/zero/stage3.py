@@ -884,7 +884,7 @@ class PartitionedWeights:
         for tier, name in ((Tier.CPU, "host"), (Tier.NVME, "nvme")):
             if stats[tier.value]["peak_bytes"]:
                 report.add(self.partition_name, name, stats[tier.value]["bytes"], stats[tier.value]["peak_bytes"])
-        report.add("weights (read buffers)", "host (pinned pool)", stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
+        report.add("weights (read buffers)", stats["pinned"]["tier"], stats["pinned"]["bytes"], stats["pinned"]["peak_bytes"])
 
     def traffic(self) -> DiskTraffic:
         return DiskTraffic(0, 0) if self.store is None else DiskTraffic.of(self.store)

@@ -103,7 +103,8 @@ What each setting bounds here:
   - ``offload_param.buffer_count``: host buffers for weights in flight: one
     for the parameter being gathered, one for a write-back, the rest read-ahead.
 Gathered weights are released as soon as their module is done, so the
-accelerator holds one module (plus the persistent parameters) at a time.
+accelerator holds one module at a time, plus the persistent parameters and
+the parts uploaded ahead (``offload estimate`` counts all three).
 
 Prefetch: the first pass records the order in which parameters are gathered.
 Later passes read ahead the parameters due next, within the bounds above. If

@@ -56,6 +56,7 @@ from offload.report import DiskTraffic, MemoryReport, PhaseTimes
 from offload.safetensors_file import write_safetensors
 from offload.schedule import schedule_of
 from offload.signals import sigint_held
+from offload.swap_room import shortage
 from offload.store.pool import PinnedPool, footprint
 from offload.zero import comm
 from offload.zero.consolidate import (
@@ -172,6 +173,9 @@ class Engine:
         comm.join_the_launch(config.comm_timeout_s)
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
+        short = shortage(model, config, self.world)
+        if short is not None:
+            raise UsageError(f"offload.initialize: {short}")
         zero = config.zero_optimization
         offload = zero.offload_optimizer
         self.batch = config.batch(self.world)  # Note [batch sizes]

@@ -84,7 +84,8 @@ def _with_nvme_path(data: Any, path: str) -> Any:
 
 
 def _f(default, doc: str, **bounds):
-    """A config field: default, one line of documentation, bounds (ge, gt, le, lt, choices)."""
+    """A config field: default, one line of documentation, bounds (ge, gt, le, lt,
+    choices; ``otherwise``: what to do instead of a value not among the choices)."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: default, metadata={"doc": doc, **bounds})
     return field(default=default, metadata={"doc": doc, **bounds})
@@ -112,7 +113,10 @@ class AdamParams:
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     type: str = _f("AdamW", "Adam or AdamW, in any case as DeepSpeed reads it (others are refused)",
-                   choices=("Adam", "AdamW"), any_case=True)
+                   choices=("Adam", "AdamW"), any_case=True,
+                   otherwise="the CPU Adam (and torch's on the accelerator) is the one optimizer here; Lamb, "
+                             "OneBitAdam and the others are not implemented: use AdamW, or Adam with "
+                             "adam_w_mode false for L2 weight decay")
     params: AdamParams = _f(AdamParams(), "the optimizer's hyper-parameters")
 
     def __post_init__(self) -> None:
@@ -223,7 +227,9 @@ class SchedulerParams:
 class SchedulerConfig:
     type: str | None = _f(None, "DeepSpeed's learning-rate schedule, stepped after each applied step: WarmupLR, "
                           "WarmupDecayLR or WarmupCosineLR; unset: none, and engine.lr is yours to set",
-                          choices=tuple(SCHEDULES))
+                          choices=tuple(SCHEDULES),
+                          otherwise="OneCycle and LRRangeTest are not implemented: remove the scheduler section and "
+                                    "set engine.lr before each step to follow any schedule")
     params: SchedulerParams = _f(SchedulerParams(), "the schedule's parameters (DeepSpeed's names)")
 
     def __post_init__(self) -> None:
@@ -265,12 +271,19 @@ class Config:
     zero_optimization: ZeroConfig = _f(ZeroConfig(), "ZeRO stage and offload")
     scheduler: SchedulerConfig = _f(SchedulerConfig(), "learning-rate schedule")
     aio: AioSettings = _f(AioSettings(), "swap file I/O: block_size, queue_depth, thread_count (intra_op_parallelism)")
+    communication_data_type: str | None = _f(None, "DeepSpeed's dtype for reducing gradients: here always the "
+                                             "compute dtype, so only it (fp32, fp16 or bf16) is accepted",
+                                             choices=("fp32", "fp16", "bf16"), any_case=True)
     comm_timeout_s: float = _f(1800.0, "seconds a collective waits for a rank that stalls before failing (a rank that "
                                "dies fails it at once); 1800 is torch's own default", gt=0)
 
     def __post_init__(self) -> None:
         if self.bf16.enabled and self.fp16.enabled:
             raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
+        compute = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype_name]
+        if self.communication_data_type not in (None, compute):
+            raise ConfigError(f"communication_data_type is {self.communication_data_type}, but gradients are reduced "
+                              f"in the compute dtype, {compute} here; set it to {compute} or remove it")
         offload = self.zero_optimization.offload_optimizer
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError("zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set it to a directory on the NVMe disk")
@@ -446,7 +459,6 @@ REFUSED_KEYS = {
     "": {"pipeline": "pipeline parallelism is not implemented", "tensor_parallel": "tensor parallelism is not implemented",
          "sparse_attention": "sparse attention is not implemented", "moe": "mixture-of-experts is not implemented",
          "compression_training": "compression is not implemented",
-         "communication_data_type": "gradients are reduced in the compute dtype",
          "data_types": "the gradient accumulation dtype is not configurable here"},
     "zero_optimization": {"cpu_offload": "use offload_optimizer.device = cpu",
                           "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ) is not implemented",
@@ -497,6 +509,16 @@ DEFAULT_ONLY_KEYS = {
                                        "synchronize_checkpoint_boundary": False, "profile": False},
                                       "DeepSpeed's activation checkpointing is not implemented; use "
                                       "torch.utils.checkpoint in the model"),
+         "sequence_parallel_size": (1, "sequence parallelism is not implemented"),
+         "eigenvalue": (OFF, "eigenvalue computation is not implemented"),
+         "progressive_layer_drop": (OFF, "progressive layer drop is not implemented"),
+         "curriculum_learning": (OFF, "curriculum learning is not implemented; order the batches yourself"),
+         "data_efficiency": (OFF, "DeepSpeed's data efficiency library is not implemented"),
+         "hybrid_engine": (OFF, "the hybrid engine (generation inside RLHF training) is not implemented"),
+         "autotuning": (OFF, "autotuning is not implemented; offload plan measures this machine and writes a config"),
+         "nebula": (OFF, "Nebula checkpointing is not implemented"),
+         "compile": (OFF, "DeepSpeed's compile is not implemented; compile the model after initialize: "
+                          "engine.module.compile()"),
          "checkpoint": ({"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
                          "parallel_write": {"pipeline_stage": False}},
                         "DeepSpeed's checkpoint options are not implemented; offload's checkpoints load at any world "
@@ -710,7 +732,8 @@ def _value(hint, f, value, where: str, reading: _Reading):
     if meta.get("any_case"):
         value = next((c for c in meta["choices"] if c.lower() == value.lower()), value)
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{where} must be one of {list(meta['choices'])}, got {value!r}")
+        otherwise = f"; {meta['otherwise']}" if "otherwise" in meta else ""
+        raise ConfigError(f"{where} must be one of {list(meta['choices'])}, got {value!r}{otherwise}")
     for bound, ok, words in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<=")):
         if bound in meta and not ok(value, meta[bound]):

@@ -119,6 +119,8 @@ DEEPSPEED_ELSEWHERE = {
     "no_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
                "window, at its last backward, by itself (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
     "training_dataloader": "offload makes no data loader: iterate your own and call engine(batch)",
+    "get_mom": "engine.group_of(name).betas gives what a parameter steps with (the config's optimizer.params.betas "
+               "unless its group sets its own)",
     **dict.fromkeys(("parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
                      "children", "named_children"),
                     "the engine is not an nn.Module: engine.module is the model (at stage 3 its partitioned "
@@ -472,6 +474,11 @@ class Engine:
         """Only for names the engine lacks: DeepSpeed's are told where each went."""
         if name in DEEPSPEED_ELSEWHERE:
             raise AttributeError(f"offload's engine has no {name}: {DEEPSPEED_ELSEWHERE[name]}")
+        module = self.__dict__.get("module")
+        if not name.startswith("_") and module is not None and name in dir(module):  # dir reads no parameter
+            # DeepSpeed's engine passes these on; here the model is reached as itself, never by accident.
+            raise AttributeError(f"offload's engine does not pass the model's attributes on: "
+                                 f"engine.module.{name} is the model's {name}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def was_step_applied(self) -> bool:

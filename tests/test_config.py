@@ -184,6 +184,17 @@ def test_defaults_need_no_warning():
                                             "remove it, or set it to DeepSpeed's default, false"),
         ({"activation_checkpointing": {"partition_activations": {"enabled": False}}},
          'activation_checkpointing is {"partition_activations": {"enabled": false}}'),
+        # A refusal says what to do instead.
+        ({"optimizer": {"type": "Lamb"}}, "got 'Lamb'; the CPU Adam (and torch's on the accelerator) is the one "
+                                          "optimizer here; Lamb, OneBitAdam and the others are not implemented: use AdamW"),
+        ({"scheduler": {"type": "OneCycle"}}, "got 'OneCycle'; OneCycle and LRRangeTest are not implemented: remove the "
+                                              "scheduler section and set engine.lr before each step"),
+        ({"compile": {"enabled": True}}, "compile is {\"enabled\": true}: DeepSpeed's compile is not implemented; "
+                                         "compile the model after initialize: engine.module.compile()"),
+        ({"sequence_parallel_size": 2}, "sequence_parallel_size is 2: sequence parallelism is not implemented"),
+        ({"curriculum_learning": {"enabled": True}}, "curriculum_learning is {\"enabled\": true}: curriculum learning"),
+        ({"communication_data_type": "fp16"}, "communication_data_type is fp16, but gradients are reduced in the compute "
+                                              "dtype, fp32 here; set it to fp32 or remove it"),
     ],
 )
 def test_bad_configs_name_the_field(data, message):
@@ -263,7 +274,8 @@ def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted
     1.0): nothing to do here, so accepted, and named as such."""
     data = {"fp16": {"enabled": True, "auto_cast": False, "loss_scale": 0}, "amp": {"enabled": False},
             "elasticity": {"enabled": False, "max_train_batch_size": 2000}, "gradient_predivide_factor": 1.0,
-            "sparse_gradients": False, "fp32_allreduce": False,
+            "sparse_gradients": False, "fp32_allreduce": False, "sequence_parallel_size": 1,
+            "data_efficiency": {"enabled": False, "seed": 1234}, "hybrid_engine": {"enabled": False},
             "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
                                          "cpu_checkpointing": False, "number_checkpoints": None,
                                          "synchronize_checkpoint_boundary": False, "profile": False},
@@ -274,6 +286,7 @@ def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted
     (warning,) = caught
     named = ", ".join(sorted(["activation_checkpointing", "amp", "checkpoint", "elasticity", "fp16.auto_cast",
                               "fp32_allreduce", "gradient_predivide_factor", "sparse_gradients",
+                              "sequence_parallel_size", "data_efficiency", "hybrid_engine",
                               "zero_optimization.offload_optimizer.ratio"]))
     assert str(warning.message) == (f"offload: these settings have no effect here: {named} (DeepSpeed's defaults, for "
                                     "what is not implemented here)")
@@ -356,6 +369,7 @@ def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
                                                                                  "pin_memory": True}}},
     {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8, "overlap_step": True}}},
+    {"communication_data_type": "fp32"}, {"communication_data_type": "BF16", "bf16": {"enabled": True}},  # as here
 ])
 def test_settings_that_act_are_not_warned_about(data):
     with warnings.catch_warnings():

@@ -739,6 +739,11 @@ def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
             engine.optimizer.cur_scale
         with pytest.raises(AttributeError, match="'Engine' object has no attribute 'nothing'"):
             engine.nothing
+        with pytest.raises(AttributeError, match="offload's engine has no get_mom: engine.group_of"):
+            engine.get_mom()
+        model.generate = lambda: None  # as a Hugging Face model has it
+        with pytest.raises(AttributeError, match=r"does not pass the model's attributes on: engine.module.generate"):
+            engine.generate()
     # DeepSpeed's own defaults for its other arguments ask for nothing
     offload.initialize(model=make_model(), config=cfg, args=None, optimizer=None, lr_scheduler=None, mpu=None,
                        training_data=None, dist_init_required=None).close()

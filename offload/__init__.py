@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ def initialize(model, config: str | os.PathLike | dict | Config | None = None, i
     if config is None:
         raise UsageError("offload.initialize needs a config: a DeepSpeed-style JSON path, a dict or a Config "
                          "(config=...)")
+    _say_if_no_optimizer(config)
     config = Config.load(config, nvme_path)
     _nvme_path_exists(config, nvme_path)
     if weights is None:
@@ -115,6 +117,18 @@ def init(config: str | os.PathLike | dict | Config | None = None, *, nvme_path: 
         yield
 
 
+def _say_if_no_optimizer(config) -> None:
+    """A config file or dict without an optimizer section trains with the
+    defaults, at a rate nobody chose: DeepSpeed builds no optimizer from
+    such a config, so a script written for it expects to give its own."""
+    data = read_json(config) if isinstance(config, (str, os.PathLike)) else config
+    if isinstance(data, dict) and "optimizer" not in data:
+        p = Config.load({}, warn=False).optimizer.params
+        warnings.warn(f"offload.initialize: the config has no optimizer section, so the engine steps AdamW with "
+                      f"lr {p.lr}, betas {tuple(p.betas)}, eps {p.eps} and weight_decay {p.weight_decay} (offload's "
+                      "defaults); give an optimizer section to choose them", UserWarning, stacklevel=3)
+
+
 def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> None:
     """The ``nvme_path`` argument, named as the caller gave it (the engine names a config's own)."""
     if nvme_path is not None and any(section.device == "nvme" for section in (
@@ -124,7 +138,7 @@ def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> No
                          "that exists")
 
 
-from offload.config import Config  # noqa: E402  (after __version__, for the CLI's cheap import)
+from offload.config import Config, read_json  # noqa: E402  (after __version__, for the CLI's cheap import)
 from offload.errors import ConfigError, OffloadError, UsageError  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402

@@ -32,7 +32,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
 nvme = os.path.join(out, f"nvme{rank}")
 os.makedirs(nvme, exist_ok=True)
-config = {"comm_timeout_s": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+config = {"comm_timeout_s": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
 
 
 def doom(after: int, how: int):

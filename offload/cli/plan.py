@@ -11,6 +11,7 @@ estimate`` fits with headroom, writes it as a config, and says why in a few line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -33,9 +34,26 @@ from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.report import human_count
 from offload.store import AioSettings
 
-# Fraction of each tier a plan may fill: activations, the allocator and the
-# rest of the process need the remainder.
+# Fraction of each tier a plan may fill: activations beyond micro-batch 1 need the remainder.
 HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
+# Note [a process's own RAM]
+# Beside the estimate, a training process holds what torch's import takes (the
+# plan measures its own process for it), and, measured with a 58M and a 134M
+# Llama at stage 3 with everything on NVMe (peak RSS against the engine's own
+# report), about 125 MB that does not grow with the model (building the
+# model class, activations and autograd's temporaries at micro-batch 1,
+# thread stacks), and what glibc keeps after it is freed: 142-155 MB and
+# 339-392 MB, 0.21-0.39 of the 680 and 998 MB the engine held in RAM (freed
+# blocks, which a step's tensors leave below live ones, are at most what was
+# once live, so they are counted in proportion to it, not to the parameters).
+# MALLOC_TRIM_THRESHOLD_=0 in the process's environment gives that back, at a
+# cost in step time (benchmarks/host_allocator.py: 0.38x the memory beside
+# the engine's, 1.15x the step, for the 25M GPT here), so a plan made with it
+# set (or MALLOC_MMAP_THRESHOLD_) does not count it. A plan that left all of
+# this out promised 1.03 GB and ran at 1.55 GB.
+FRAMEWORK_BYTES = 128 << 20  # per rank
+GIVES_BACK = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")  # glibc settings that return freed memory
+KEPT_BY_GLIBC = 0.4  # of what the engine holds in RAM
 SUB_GROUPS = (100_000_000, 25_000_000, 5_000_000)  # smaller sub-groups shrink the pinned pool
 IN_CPU = (0.75, 0.5, 0.25, 0.0)  # weights on nvme: the share of each rank's part kept in host memory (max_in_cpu)
 # Stage 3 weights off the accelerator: elements uploaded ahead of their module (DeepSpeed's default first); a
@@ -58,6 +76,8 @@ class Machine:
     nvme_free: int | None  # None: no --nvme-path
     read_gbps: float | None = None
     write_gbps: float | None = None
+    process_bytes: int = 400 << 20  # RSS of a process that imported torch and offload: Note [a process's own RAM]
+    glibc_keeps: bool = True  # freed memory, as with glibc's defaults: Note [a process's own RAM]
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -82,7 +102,9 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     cuda = torch.cuda.is_available()
     count = gpus or (torch.cuda.device_count() if cuda else 1)
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    machine = Machine(count, gpu_mem, psutil.virtual_memory().available, None)
+    machine = Machine(count, gpu_mem, psutil.virtual_memory().available, None,
+                      process_bytes=psutil.Process().memory_info().rss,
+                      glibc_keeps=not any(k in os.environ for k in GIVES_BACK))
     if nvme_path is not None:
         if not os.path.isdir(nvme_path):
             raise UsageError(f"--nvme-path {nvme_path!r} is not a directory; create it first")
@@ -118,20 +140,31 @@ def config_for(step: tuple, sub_group: int, in_cpu: int, nvme_path: str | None, 
 
 
 def fits(e: Estimate, machine: Machine) -> bool:
-    """Within headroom; without a GPU the accelerator's memory is the host's."""
+    """Within headroom, the RAM counting the processes' own (``ram_needed``);
+    without a GPU the accelerator's memory is the host's."""
     usable = {t: None if v is None else HEADROOM[t] * v for t, v in
               (("device", machine.gpu_mem), ("host", machine.cpu_mem), ("nvme", machine.nvme_free))}
-    if machine.gpu_mem is None:
-        if ram_needed(e, machine) > usable["host"]:
-            return False
-        usable["device"] = None
-    check_fits(e, usable["device"], usable["host"], usable["nvme"] if machine.nvme_free is not None else 0)
+    check_fits(e, usable["device"], None, usable["nvme"] if machine.nvme_free is not None else 0)
+    e.fits["host"] = ram_needed(e, machine) <= usable["host"]
     return all(e.fits.values())
 
 
 def ram_needed(e: Estimate, machine: Machine) -> float:
+    """What the engine holds in RAM and the processes' own: Note [a process's own RAM]."""
+    return engine_ram(e, machine) + process_ram(e, machine)
+
+
+def engine_ram(e: Estimate, machine: Machine) -> float:
     """The node's host bytes, and without a GPU its ranks' accelerator bytes too (the same RAM)."""
     return e.node["host"] + (e.rank_total("device") * machine.gpus if machine.gpu_mem is None else 0)
+
+
+def process_ram(e: Estimate, machine: Machine) -> float:
+    return machine.gpus * (machine.process_bytes + FRAMEWORK_BYTES) + kept_by_glibc(e, machine)
+
+
+def kept_by_glibc(e: Estimate, machine: Machine) -> float:
+    return KEPT_BY_GLIBC * engine_ram(e, machine) if machine.glibc_keeps else 0
 
 
 def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
@@ -181,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     why = explain(shape, machine, e, raw)
     if args.json:
         print(json.dumps({"config": raw, "config_path": args.out, "why": why, "machine": machine.__dict__,
-                          "estimate": e.to_json()}, indent=1))
+                          "estimate": e.to_json(), "ram_bytes": ram_needed(e, machine)}, indent=1))
     else:
         bundled = args.model_config is not None and not is_hf_config(args.model_config)
         use = f"offload train --config {args.out} --model {args.model_config}" if bundled else \
@@ -200,6 +233,14 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
              f"it needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
              f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most "
              f"{HEADROOM['host']:.0%} of the RAM and {HEADROOM['nvme']:.0%} of the disk)."]
+    if machine.glibc_keeps:
+        giving_back = choose(shape, dataclasses.replace(machine, glibc_keeps=False), nvme_path, formats)
+        if giving_back is not None:
+            lines.append(f"It fits as {giving_back[1].setup.name} if glibc gives back the memory it keeps after "
+                         "freeing, at about 1.15x the step time "
+                         "(benchmarks/host_allocator.py): rerun plan, and train, with MALLOC_TRIM_THRESHOLD_=0 in "
+                         "the environment.")
+            return "\n".join(lines)
     compact = choose(shape, machine, nvme_path, COMPACT) if formats != COMPACT else None
     if compact is not None:
         lines.append(f"It fits as {compact[1].setup.name} with the compact optimizer state (not bitwise AdamW): "
@@ -239,10 +280,16 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
     lines = [f"{human_count(shape.params)} parameters need {total / 1e9:.1f} GB of training state at "
              f"{e.bytes_per_param:.3g} bytes each "
              f"(weights, gradients and optimizer state, in the config's dtypes); "
-             f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.0f} GB RAM available{disk}.",
+             f"this machine has {accelerator}, {machine.cpu_mem / 1e9:.1f} GB RAM available{disk}.",
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
              f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator{'' if machine.gpu_mem else ' (this RAM)'}; per node {e.node['host'] / 1e9:.2f} GB host, "
-             f"{e.node['nvme'] / 1e9:.2f} GB NVMe."]
+             f"{e.node['nvme'] / 1e9:.2f} GB NVMe; with the processes' own {process_ram(e, machine) / 1e9:.2f} GB "
+             f"(torch, micro-batch 1's activations{', what glibc keeps after freeing' if machine.glibc_keeps else ''}), "
+             f"{ram_needed(e, machine) / 1e9:.2f} GB of RAM in all."]
+    if machine.glibc_keeps:
+        lines.append(f"glibc keeps about {kept_by_glibc(e, machine) / 1e9:.2f} GB of freed memory; "
+                     "MALLOC_TRIM_THRESHOLD_=0 in the training's environment gives it back, at about 1.15x the step "
+                     "time (benchmarks/host_allocator.py), and plan run with it set counts on that.")
     prefetch = raw["zero_optimization"].get("stage3_prefetch_bucket_size", PREFETCH[0])
     if prefetch != PREFETCH[0]:
         lines.append(f"stage3_prefetch_bucket_size {prefetch:,}, not DeepSpeed's {PREFETCH[0]:,}, which would not fit: "
@@ -256,5 +303,5 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
         lines.append("bf16 compute, as a bf16 master needs: a CPU without bf16 instructions emulates its matmuls, "
                      "slowly.")
     lines.append("the config's micro-batch is 1 sequence per rank (train_micro_batch_size_per_gpu): the figures "
-                 "above hold no activations, so raise it as far as the memory left on the accelerator allows.")
+                 "above allow for its activations only, so raise it as far as the headroom left allows.")
     return lines

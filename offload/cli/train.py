@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -373,6 +374,8 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "memory": {f"{kind} | {tier}": v for (kind, tier), v in report.items()},
         "bytes_per_tier": report.by_tier(),
         "peak_bytes_per_tier": report.by_tier("peak_bytes"),
+        # All this process held at once, torch and activations and what glibc kept included (offload plan's figure).
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
 
@@ -460,7 +463,7 @@ def _report(s: dict, out_dir: str) -> str:
            f"loss scale now {s['loss_scale']:g}"] if s["skipped_steps"] else []),
         f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read{kept}, "
         f"{human_bytes(disk['bytes_written'])} written; peak per tier{' (rank 0)' if s['world_size'] > 1 else ''}: "
-        f"{peaks}",
+        f"{peaks}; the whole process at most {human_bytes(s['peak_rss_bytes'])} (RSS)",
         f"summary: {os.path.join(out_dir, 'summary.json')}",
         f"loss curve: {os.path.join(out_dir, 'loss.png')}",
         *([f"checkpoint: {s['checkpoints'][-1]} (offload train --resume it; offload export it --out FILE.safetensors)"]

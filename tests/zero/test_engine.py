@@ -787,3 +787,22 @@ def test_bias_correction_false_steps_without_it(tmp_path, device):
                     p.sub_(lr * m / (v.sqrt() + eps))
         state = engine.state_dict()
     assert max((state[k].double() - p).abs().max().item() for k, p in zip(("weight", "bias"), ref)) < 1e-6
+
+
+def test_a_config_without_an_optimizer_section_says_what_it_steps_with(tmp_path):
+    """DeepSpeed builds no optimizer from such a config; here the engine steps
+    the defaults, and says so, once, naming them; a file is read as a dict is."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    for config in ({}, {"zero_optimization": {"stage": 2}}, str(path)):
+        with pytest.warns(UserWarning) as caught:
+            offload.initialize(nn.Linear(4, 4), config).close()
+        (warning,) = [w for w in caught if "optimizer section" in str(w.message)]
+        assert str(warning.message) == (
+            "offload.initialize: the config has no optimizer section, so the engine steps AdamW with lr 0.001, betas "
+            "(0.9, 0.999), eps 1e-08 and weight_decay 0.0 (offload's defaults); give an optimizer section to choose "
+            "them"), config
+        assert warning.filename == __file__  # the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload.initialize(nn.Linear(4, 4), {"optimizer": {"params": {"lr": 0.1}}}).close()

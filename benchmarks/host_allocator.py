@@ -38,24 +38,14 @@ SETTINGS = {
 }
 
 
-def _rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
 def child(model_name: str, steps: int, nvme: str) -> dict:
     import torch
 
     import offload
     from offload.models.gpt import GPT, SIZES
+    from offload.report import process_memory
 
-    imported, _ = _rss()
+    imported, _ = process_memory()
     c = SIZES[model_name]
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3, "sub_group_size": 5_000_000,
@@ -75,7 +65,7 @@ def child(model_name: str, steps: int, nvme: str) -> dict:
                 times.append(time.perf_counter() - start)
         engine.synchronize()
         report = engine.memory_report().by_tier("peak_bytes")
-    return {"step_s": statistics.median(times), "peak_rss": _rss()[1] - imported,
+    return {"step_s": statistics.median(times), "peak_rss": process_memory()[1] - imported,
             "report": report.get("device", 0) + report.get("host", 0)}
 
 

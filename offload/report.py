@@ -100,3 +100,16 @@ def live_heap_bytes() -> int:
     mallinfo2.restype = _Mallinfo2
     info = mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+def process_memory() -> tuple[int, int]:
+    """This process's (resident, peak resident) bytes: /proc's VmRSS and
+    VmHWM, which start afresh at exec (getrusage's peak is the parent's too
+    when it was larger: a training launched from a notebook would report the
+    notebook's); (-1, -1) without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            values = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+    except OSError:
+        return -1, -1
+    return tuple(int(values[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))

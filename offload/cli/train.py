@@ -44,7 +44,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -62,7 +61,7 @@ from offload.config import nvme_sections, read_json
 from offload.data import ByteBatches, stdlib_corpus
 from offload.errors import UsageError
 from offload.models.gpt import GPT, SIZES, GPTConfig
-from offload.report import human_bytes
+from offload.report import human_bytes, process_memory
 from offload.zero import comm
 
 EVAL_BATCHES = 4
@@ -375,7 +374,7 @@ def _train(args, model_config: GPTConfig, config: offload.Config, data: ByteBatc
         "bytes_per_tier": report.by_tier(),
         "peak_bytes_per_tier": report.by_tier("peak_bytes"),
         # All this process held at once, torch and activations and what glibc kept included (offload plan's figure).
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": process_memory()[1],
     }
 
 

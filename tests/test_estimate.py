@@ -259,7 +259,7 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
 
 def test_plan_with_bf16_moments_keeps_the_state_in_ram_where_fp32_needs_the_disk():
     gib = 1 << 30
-    shape, machine = ModelShape.from_count(1_000_000_000), plan.Machine(1, 24 * gib, 22 * gib, 100 * gib)
+    shape, machine = ModelShape.from_count(1_000_000_000), plan.Machine(1, 24 * gib, 16 * gib, 100 * gib)
     assert plan.choose(shape, machine, "/nvme")[1].setup == Setup(2, "nvme")
     raw, e = plan.choose(shape, machine, "/nvme", {"state_dtype": "bfloat16"})
     assert e.setup == Setup(2, "cpu") and raw["zero_optimization"]["offload_optimizer"]["state_dtype"] == "bfloat16"
@@ -268,7 +268,7 @@ def test_plan_with_bf16_moments_keeps_the_state_in_ram_where_fp32_needs_the_disk
 
 def test_plan_with_a_bf16_master_keeps_the_state_in_ram_where_fp32_needs_the_disk():
     gib = 1 << 30
-    shape, machine = ModelShape.from_count(2_000_000_000), plan.Machine(1, 24 * gib, 24 * gib, 1000 * gib)
+    shape, machine = ModelShape.from_count(2_000_000_000), plan.Machine(1, 24 * gib, 16 * gib, 1000 * gib)
     assert plan.choose(shape, machine, "/nvme", {"state_dtype": "int8"})[1].setup == Setup(2, "nvme")
     raw, e = plan.choose(shape, machine, "/nvme", {"state_dtype": "int8", "master_dtype": "bfloat16"})
     assert e.setup == Setup(2, "cpu") and raw["zero_optimization"]["offload_optimizer"]["master_dtype"] == "bfloat16"

@@ -34,7 +34,8 @@ from offload.estimate import Estimate, ModelShape, Setup, check_fits, estimate
 from offload.report import human_count
 from offload.store import AioSettings
 
-# Fraction of each tier a plan may fill: activations beyond micro-batch 1 need the remainder.
+# Fraction of each tier a plan may fill: the rest is for activations beyond micro-batch 1 (on the accelerator,
+# and in RAM without a GPU), and on the disk for what else it holds.
 HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
 # Note [a process's own RAM]
 # Beside the estimate, a training process holds what torch's import takes (the
@@ -49,8 +50,12 @@ HEADROOM = {"device": 0.8, "host": 0.8, "nvme": 0.9}
 # MALLOC_TRIM_THRESHOLD_=0 in the process's environment gives that back, at a
 # cost in step time (benchmarks/host_allocator.py: 0.38x the memory beside
 # the engine's, 1.15x the step, for the 25M GPT here), so a plan made with it
-# set (or MALLOC_MMAP_THRESHOLD_) does not count it. A plan that left all of
-# this out promised 1.03 GB and ran at 1.55 GB.
+# set (or MALLOC_MMAP_THRESHOLD_) does not count it. All of it was measured
+# with the CPU computing, where activations and the step's churn of freed
+# tensors are host memory; with a GPU they are on it, and the host holds
+# long-lived state (pinned by CUDA, not glibc's), so only the import and the
+# 128 MiB are counted there, unmeasured. A plan that left all of this out
+# promised 1.03 GB and ran at 1.55 GB.
 FRAMEWORK_BYTES = 128 << 20  # per rank
 GIVES_BACK = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")  # glibc settings that return freed memory
 KEPT_BY_GLIBC = 0.4  # of what the engine holds in RAM
@@ -164,7 +169,7 @@ def process_ram(e: Estimate, machine: Machine) -> float:
 
 
 def kept_by_glibc(e: Estimate, machine: Machine) -> float:
-    return KEPT_BY_GLIBC * engine_ram(e, machine) if machine.glibc_keeps else 0
+    return KEPT_BY_GLIBC * engine_ram(e, machine) if machine.glibc_keeps and machine.gpu_mem is None else 0
 
 
 def choose(shape: ModelShape, machine: Machine, nvme_path: str | None,
@@ -233,7 +238,7 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
              f"it needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
              f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most "
              f"{HEADROOM['host']:.0%} of the RAM and {HEADROOM['nvme']:.0%} of the disk)."]
-    if machine.glibc_keeps:
+    if kept_by_glibc(need, machine):
         giving_back = choose(shape, dataclasses.replace(machine, glibc_keeps=False), nvme_path, formats)
         if giving_back is not None:
             lines.append(f"It fits as {giving_back[1].setup.name} if glibc gives back the memory it keeps after "
@@ -271,6 +276,8 @@ def _most_offloaded(shape: ModelShape, machine: Machine, nvme_path: str | None, 
 
 
 def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list[str]:
+    own = ["torch", *(["micro-batch 1's activations"] if machine.gpu_mem is None else []),
+           *(["what glibc keeps after freeing"] if kept_by_glibc(e, machine) else [])]
     total = e.bytes_per_param * shape.params
     accelerator = f"{machine.gpus} GPU(s) of {machine.gpu_mem / 1e9:.0f} GB" if machine.gpu_mem else "no GPU (the CPU computes)"
     disk = ""
@@ -284,9 +291,9 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
              f"chosen: {e.setup.name}, the least offloaded setup that fits with headroom: per rank "
              f"{e.rank_total('device') / 1e9:.2f} GB on the accelerator{'' if machine.gpu_mem else ' (this RAM)'}; per node {e.node['host'] / 1e9:.2f} GB host, "
              f"{e.node['nvme'] / 1e9:.2f} GB NVMe; with the processes' own {process_ram(e, machine) / 1e9:.2f} GB "
-             f"(torch, micro-batch 1's activations{', what glibc keeps after freeing' if machine.glibc_keeps else ''}), "
+             f"({', '.join(own)}), "
              f"{ram_needed(e, machine) / 1e9:.2f} GB of RAM in all."]
-    if machine.glibc_keeps:
+    if kept_by_glibc(e, machine):
         lines.append(f"glibc keeps about {kept_by_glibc(e, machine) / 1e9:.2f} GB of freed memory; "
                      "MALLOC_TRIM_THRESHOLD_=0 in the training's environment gives it back, at about 1.15x the step "
                      "time (benchmarks/host_allocator.py), and plan run with it set counts on that.")
@@ -302,6 +309,7 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
     if machine.gpu_mem is None and raw["bf16"]["enabled"]:
         lines.append("bf16 compute, as a bf16 master needs: a CPU without bf16 instructions emulates its matmuls, "
                      "slowly.")
-    lines.append("the config's micro-batch is 1 sequence per rank (train_micro_batch_size_per_gpu): the figures "
-                 "above allow for its activations only, so raise it as far as the headroom left allows.")
+    held = "allow for its activations only" if machine.gpu_mem is None else "hold no activations"
+    lines.append(f"the config's micro-batch is 1 sequence per rank (train_micro_batch_size_per_gpu): the figures "
+                 f"above {held}, so raise it as far as the headroom left allows.")
     return lines

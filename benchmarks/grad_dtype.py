@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=positive_int, default=4)
     args = parser.parse_args()
     c = SIZES[args.model]
-    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "sub_group_size": 4_000_000,
-                                                            "offload_optimizer": {"device": "cpu"}}}
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 2, "sub_group_size": 4_000_000, "offload_optimizer": {"device": "cpu"}}}
     tokens = torch.randint(0, c.vocab_size, (args.batch_size, c.block_size + 1), generator=torch.Generator().manual_seed(0))
     engines = {}
     for name, dtype in (("bf16", None), ("fp32", torch.float32)):

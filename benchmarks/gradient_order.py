@@ -57,7 +57,7 @@ class WeightFirst(TorchFunctionMode):
 def last_step_traffic(shape: GPTConfig, tokens: torch.Tensor, nvme: str, steps: int,
                       weight_first: bool) -> tuple[float, float, float]:
     """(bytes read, bytes written, loss) of the last of ``steps`` steps."""
-    cfg = {"train_micro_batch_size_per_gpu": tokens.shape[0],
+    cfg = {"train_micro_batch_size_per_gpu": tokens.shape[0], "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "sub_group_size": 400_000,
                                  "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "gradients_on_nvme": True}}}

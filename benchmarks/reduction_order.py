@@ -54,8 +54,9 @@ def _rank(rank: int, port: int, name: str, bucket: int, ordered: bool, out: str)
         grads.GradientReducer.__init__ = on_completion
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                          timeout=datetime.timedelta(seconds=120))
-    engine = offload.initialize(_model(name), {"zero_optimization": {
-        "stage": 2, "reduce_bucket_size": bucket, "offload_optimizer": {"device": "cpu"}}})
+    engine = offload.initialize(_model(name), {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "offload_optimizer": {"device": "cpu"}}})
     peaks = []
     for _ in range(3):
         engine.reducer.peak_bucket_bytes = engine.reducer.bucket_bytes  # each step's own peak

@@ -126,7 +126,7 @@ def _say_if_no_optimizer(config) -> None:
         p = Config.load({}, warn=False).optimizer.params
         warnings.warn(f"offload.initialize: the config has no optimizer section, so the engine steps AdamW with "
                       f"lr {p.lr}, betas {tuple(p.betas)}, eps {p.eps} and weight_decay {p.weight_decay} (offload's "
-                      "defaults); give an optimizer section to choose them", UserWarning, stacklevel=3)
+                      "defaults); give an optimizer section to choose them", UserWarning, stacklevel=outside_offload())
 
 
 def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> None:
@@ -139,7 +139,7 @@ def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> No
 
 
 from offload.config import Config, read_json  # noqa: E402  (after __version__, for the CLI's cheap import)
-from offload.errors import ConfigError, OffloadError, UsageError  # noqa: E402
+from offload.errors import ConfigError, OffloadError, UsageError, outside_offload  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402
 from offload.signals import exit_on_signals  # noqa: E402

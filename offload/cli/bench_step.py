@@ -159,7 +159,7 @@ def _config(args: argparse.Namespace, setup: str, nvme: str) -> dict:
             zero["offload_param"].update(nvme_path=nvme, max_in_cpu=0)
     else:
         zero["reduce_bucket_size"] = args.sub_group_size  # buckets reduce as backward goes, so sub-groups complete during it
-    cfg = {"zero_optimization": zero}
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
     if "nvme" in (device, args.offload_param):
         cfg["aio"] = {"block_size": a.block_size, "queue_depth": a.queue_depth, "thread_count": a.thread_count}
     return cfg

@@ -794,14 +794,14 @@ def test_a_config_without_an_optimizer_section_says_what_it_steps_with(tmp_path)
     the defaults, and says so, once, naming them; a file is read as a dict is."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    for config in ({}, {"zero_optimization": {"stage": 2}}, str(path)):
+    for given in ({}, {"zero_optimization": {"stage": 2}}, str(path)):
         with pytest.warns(UserWarning) as caught:
-            offload.initialize(nn.Linear(4, 4), config).close()
+            offload.initialize(nn.Linear(4, 4), given).close()
         (warning,) = [w for w in caught if "optimizer section" in str(w.message)]
         assert str(warning.message) == (
             "offload.initialize: the config has no optimizer section, so the engine steps AdamW with lr 0.001, betas "
             "(0.9, 0.999), eps 1e-08 and weight_decay 0.0 (offload's defaults); give an optimizer section to choose "
-            "them"), config
+            "them"), given
         assert warning.filename == __file__  # the user's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")

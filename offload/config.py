@@ -470,8 +470,12 @@ REFUSED_KEYS = {
 }
 
 
+@dataclass(frozen=True)
 class _Off:
-    """The default of a DeepSpeed section with an ``enabled`` switch: off."""
+    """The default of a DeepSpeed section with a switch (``enabled``, or the
+    section's own): off."""
+
+    switch: str = "enabled"
 
 
 OFF = _Off()
@@ -482,8 +486,8 @@ def _at_default(value, default) -> bool:
     section, ``OFF``: false, or an object without ``"enabled": true``), the
     same number, the same string in any case (DeepSpeed upper-cases its), or
     a section (``default`` a dict) each of whose keys is at its default."""
-    if default is OFF:
-        return value is False or (isinstance(value, dict) and value.get("enabled", False) is False)
+    if isinstance(default, _Off):
+        return value is False or (isinstance(value, dict) and value.get(default.switch, False) is False)
     if isinstance(default, dict):
         return isinstance(value, dict) and all(k in default and _at_default(v, default[k]) for k, v in value.items())
     if isinstance(default, bool) or default is None:
@@ -517,7 +521,7 @@ DEFAULT_ONLY_KEYS = {
          "hybrid_engine": (OFF, "the hybrid engine (generation inside RLHF training) is not implemented"),
          "autotuning": (OFF, "autotuning is not implemented; offload plan measures this machine and writes a config"),
          "nebula": (OFF, "Nebula checkpointing is not implemented"),
-         "compile": (OFF, "DeepSpeed's compile is not implemented; compile the model after initialize: "
+         "compile": (_Off("deepcompile"), "DeepSpeed's compile is not implemented; compile the model after initialize: "
                           "engine.module.compile()"),
          "checkpoint": ({"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
                          "parallel_write": {"pipeline_stage": False}},
@@ -645,7 +649,7 @@ def _set_aside(key: str, value, path: str, reading: _Reading) -> bool:
         default, why = DEFAULT_ONLY_KEYS[path][key]
         if not _at_default(value, default):
             raise ConfigError(f"{where} is {json.dumps(value)}: {why}; remove it, or set it to DeepSpeed's "
-                              f"default, {'false' if default is OFF else json.dumps(default)}")
+                              f"default, {'false' if isinstance(default, _Off) else json.dumps(default)}")
         reading.at_default.append(where)
         return True
     if key not in TUNING_KEYS.get(path, ()):

@@ -189,8 +189,8 @@ def test_defaults_need_no_warning():
                                           "optimizer here; Lamb, OneBitAdam and the others are not implemented: use AdamW"),
         ({"scheduler": {"type": "OneCycle"}}, "got 'OneCycle'; OneCycle and LRRangeTest are not implemented: remove the "
                                               "scheduler section and set engine.lr before each step"),
-        ({"compile": {"enabled": True}}, "compile is {\"enabled\": true}: DeepSpeed's compile is not implemented; "
-                                         "compile the model after initialize: engine.module.compile()"),
+        ({"compile": {"deepcompile": True}}, "compile is {\"deepcompile\": true}: DeepSpeed's compile is not "
+                                             "implemented; compile the model after initialize: engine.module.compile()"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size is 2: sequence parallelism is not implemented"),
         ({"curriculum_learning": {"enabled": True}}, "curriculum_learning is {\"enabled\": true}: curriculum learning"),
         ({"communication_data_type": "fp16"}, "communication_data_type is fp16, but gradients are reduced in the compute "
@@ -276,6 +276,7 @@ def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted
             "elasticity": {"enabled": False, "max_train_batch_size": 2000}, "gradient_predivide_factor": 1.0,
             "sparse_gradients": False, "fp32_allreduce": False, "sequence_parallel_size": 1,
             "data_efficiency": {"enabled": False, "seed": 1234}, "hybrid_engine": {"enabled": False},
+            "compile": {"deepcompile": False, "free_activation": False},
             "activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
                                          "cpu_checkpointing": False, "number_checkpoints": None,
                                          "synchronize_checkpoint_boundary": False, "profile": False},
@@ -286,7 +287,7 @@ def test_blocks_copied_from_deepspeeds_docs_with_their_features_off_are_accepted
     (warning,) = caught
     named = ", ".join(sorted(["activation_checkpointing", "amp", "checkpoint", "elasticity", "fp16.auto_cast",
                               "fp32_allreduce", "gradient_predivide_factor", "sparse_gradients",
-                              "sequence_parallel_size", "data_efficiency", "hybrid_engine",
+                              "sequence_parallel_size", "data_efficiency", "hybrid_engine", "compile",
                               "zero_optimization.offload_optimizer.ratio"]))
     assert str(warning.message) == (f"offload: these settings have no effect here: {named} (DeepSpeed's defaults, for "
                                     "what is not implemented here)")

@@ -175,9 +175,6 @@ class Engine:
         comm.join_the_launch(config.comm_timeout_s)
         self.rank, self.world = comm.world()
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
-        short = shortage(model, config, self.world)
-        if short is not None:
-            raise UsageError(f"offload.initialize: {short}")
         zero = config.zero_optimization
         offload = zero.offload_optimizer
         self.batch = config.batch(self.world)  # Note [batch sizes]
@@ -188,6 +185,9 @@ class Engine:
             raise UsageError("the model has no trainable parameters; offload trains at least one")
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
+        short = shortage(model, config, self.world)  # a collective: after the device, which NCCL's uses
+        if short is not None:
+            raise UsageError(f"offload.initialize: {short}")
         self.dtype = DTYPES[config.compute_dtype_name]
         if self.rank == 0:
             _warn_if_widened(model, self.dtype)

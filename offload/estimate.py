@@ -189,8 +189,15 @@ class ModelShape:
             raise UsageError(f"{path}: transformers cannot build a model from it ({exc})") from None
         finally:
             transformers.logging.set_verbosity(verbosity)
-        sizes = tuple(p.numel() for p in model.parameters())
-        return ModelShape(sum(sizes), max(sizes), f"{type(model).__name__} from {path}", sizes)
+        return ModelShape.of_module(model, f"{type(model).__name__} from {path}")
+
+    @staticmethod
+    def of_module(model: torch.nn.Module, source: str = "the model") -> ModelShape:
+        """A module's exact shape: each parameter's elements (a tied one once), and how many train."""
+        params = list(model.parameters())
+        sizes = tuple(p.numel() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        return ModelShape(sum(sizes), max(sizes), source, sizes).with_trainable(None if trained == sum(sizes) else trained)
 
     @staticmethod
     def from_count(params: int) -> ModelShape:

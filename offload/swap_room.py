@@ -6,47 +6,62 @@ minutes of writing, and at stage 3 after it has freed the parameters already
 partitioned: the user's model is gone with it. What the files will take is
 known beforehand (``offload estimate``'s accounting, which matches ``du``), so
 a disk that cannot hold them is refused at once, naming what needs the room.
+Ranks sharing a disk (the same host and filesystem) add up their needs, and
+all ranks reach one verdict, so each raises the same error rather than some
+waiting for the others in a collective.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import torch
 
 from offload.config import Config
 from offload.estimate import ModelShape, Setup, estimate
+from offload.zero import comm
 
 
 def shortage(model: torch.nn.Module, config: Config, world: int) -> str | None:
-    """What is short, or None: per disk, this node's ranks' swap files against
-    its free space (ranks per node: ``LOCAL_WORLD_SIZE``, as torchrun sets it,
-    else all of them)."""
+    """What is short on which disk, or None (a collective with several ranks)."""
     zero = config.zero_optimization
     paths = {"weights": zero.offload_param.nvme_path if zero.stage == 3 and zero.offload_param.device == "nvme" else None,
              "optimizer": zero.offload_optimizer.nvme_path if zero.offload_optimizer.device == "nvme" else None}
     if not any(paths.values()):
         return None
-    params = list(model.parameters())
-    sizes = tuple(p.numel() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    shape = ModelShape(sum(sizes), max(sizes), "the model", sizes).with_trainable(
-        None if trainable == sum(sizes) else trainable)
-    setup = Setup(zero.stage, zero.offload_optimizer.device, zero.offload_param.device if zero.stage == 3 else "none")
-    ranks = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    on_disk: dict[int, tuple[str, dict[str, float]]] = {}  # device -> (a path on it, what -> bytes)
-    for what, nbytes in estimate(shape, setup, config, world).per_rank["nvme"].items():
-        path = paths["weights" if what.startswith("weights") else "optimizer"]
-        _, needs = on_disk.setdefault(os.stat(path).st_dev, (path, {}))
-        needs[what] = needs.get(what, 0) + ranks * nbytes
-    for path, needs in on_disk.values():
-        free = shutil.disk_usage(path).free
-        if sum(needs.values()) > free:
-            parts = ", ".join(f"{what} {nbytes / 1e9:.2f} GB" for what, nbytes in needs.items())
-            return (f"the swap files need {sum(needs.values()) / 1e9:.2f} GB on the disk of nvme_path {path!r} "
-                    f"({parts}, for {ranks} rank(s) on this node), and it has {free / 1e9:.2f} GB free: free some "
-                    f"(a killed run's swap files: offload clean --nvme-path {path}), point nvme_path at a larger "
-                    "disk, or keep less there (offload estimate lists each setup's disk bytes; "
+    disks: dict[tuple[str, int], dict] = {}  # (host, device) -> what its ranks need there
+    for mine in comm.all_gather_object(_needs(model, config, world, paths)):
+        for key, disk in mine.items():
+            there = disks.setdefault(key, {"path": disk["path"], "needs": {}, "free": disk["free"], "ranks": 0})
+            for what, nbytes in disk["needs"].items():
+                there["needs"][what] = there["needs"].get(what, 0) + nbytes
+            there["free"], there["ranks"] = min(there["free"], disk["free"]), there["ranks"] + 1
+    for (host, _), disk in sorted(disks.items()):
+        need = sum(disk["needs"].values())
+        if need > disk["free"]:
+            parts = ", ".join(f"{what} {nbytes / 1e9:.2f} GB" for what, nbytes in disk["needs"].items())
+            where = f" on {host}" if len({h for h, _ in disks}) > 1 else ""
+            return (f"the swap files need {need / 1e9:.2f} GB on the disk of nvme_path {disk['path']!r}{where} "
+                    f"({parts}, for {disk['ranks']} rank(s)), and it has {disk['free'] / 1e9:.2f} GB free: free "
+                    f"some (a killed run's swap files: offload clean --nvme-path {disk['path']}), point nvme_path "
+                    "at a larger disk, or keep less there (offload estimate lists each setup's disk bytes; "
                     "offload_optimizer.state_dtype bfloat16 stores 8 bytes per parameter instead of 12)")
     return None
+
+
+def _needs(model: torch.nn.Module, config: Config, world: int, paths: dict[str, str | None]) -> dict:
+    """This rank's swap bytes per disk it writes to: (host, device) -> its path, what -> bytes, and its free space."""
+    zero = config.zero_optimization
+    if not any(True for _ in model.parameters()):
+        return {}  # the engine refuses it, saying why
+    setup = Setup(zero.stage, zero.offload_optimizer.device, zero.offload_param.device if zero.stage == 3 else "none")
+    host = socket.gethostname()
+    disks: dict[tuple[str, int], dict] = {}
+    for what, nbytes in estimate(ModelShape.of_module(model), setup, config, world).per_rank["nvme"].items():
+        path = paths["weights" if what.startswith("weights") else "optimizer"]
+        disk = disks.setdefault((host, os.stat(path).st_dev),
+                                {"path": path, "needs": {}, "free": shutil.disk_usage(path).free})
+        disk["needs"][what] = disk["needs"].get(what, 0) + nbytes
+    return disks

@@ -13,7 +13,7 @@ from offload import _native, swap_room
 from offload.errors import UsageError
 from offload.estimate import ModelShape, Setup, estimate
 
-from .harness import batch, config, make_model, train_engine
+from .harness import batch, config, finish_rank, init_gloo, make_model, spawn_ranks, train_engine
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
 
@@ -30,9 +30,7 @@ def test_a_disk_without_room_for_the_swap_files_is_refused_and_the_model_kept(tm
         "device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0})
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    sizes = tuple(p.numel() for p in model.parameters())
-    need = estimate(ModelShape(sum(sizes), max(sizes), "test", sizes), Setup(3, "nvme", "nvme"),
-                    offload.Config.load(cfg), 1).rank_total("nvme")
+    need = estimate(ModelShape.of_module(model), Setup(3, "nvme", "nvme"), offload.Config.load(cfg), 1).rank_total("nvme")
     _with_free(monkeypatch, int(need) - 1)
     with pytest.raises(UsageError, match=rf"the swap files need 0\.\d\d GB on the disk of nvme_path '{tmp_path}' "
                                          r"\(weights \(partition\) .* GB, optimizer state .* GB, for 1 rank"):
@@ -43,3 +41,23 @@ def test_a_disk_without_room_for_the_swap_files_is_refused_and_the_model_kept(tm
     _with_free(monkeypatch, int(need))  # just enough
     with train_engine(model, 1, 1, cfg) as engine:
         assert engine(batch(0, 0, 0)).isfinite()
+
+
+def _two_ranks_on_one_disk(rank: int, port: int, out_dir: str) -> None:
+    """Room for one rank's swap files but not two: both ranks refuse, saying so."""
+    init_gloo(rank, 2, port)
+    cfg = config(2, "nvme", 1, out_dir)
+    model = make_model()
+    one = estimate(ModelShape.of_module(model), Setup(2, "nvme"), offload.Config.load(cfg), 2).rank_total("nvme")
+    swap_room.shutil.disk_usage = lambda path: Usage(int(1.5 * one), 0, int(1.5 * one))
+    try:
+        offload.initialize(model, cfg).close()
+        said = None
+    except UsageError as error:
+        said = str(error)
+    finish_rank(out_dir, rank, said)
+
+
+def test_ranks_sharing_a_disk_add_up_their_swap_files_and_all_refuse(tmp_path):
+    for said in spawn_ranks(_two_ranks_on_one_disk, tmp_path):
+        assert said is not None and "(optimizer state " in said and "GB, for 2 rank(s))" in said, said

@@ -245,6 +245,9 @@ def test_plan_climbs_the_ladder_as_memory_shrinks():
     said = plan.explain(shape, machine, e, raw)
     assert "stage3_prefetch_bucket_size 10,000,000, not DeepSpeed's 50,000,000, which would not fit: fewer weights " \
            "go up ahead of their module." in said
+    assert "beyond these figures, engine.close() gives the model back whole, 4.00 GB in fp32 on the accelerator; " \
+           "where that does not fit, save a checkpoint and close it with restore_model=False, as offload train does." \
+           in said
     # Note [a process's own RAM]: 0.4 x the engine's 5.43 GB that glibc keeps, 0.42 GB of torch, 128 MiB for
     # micro-batch 1
     assert "with the processes' own 2.72 GB (torch, micro-batch 1's activations, what glibc keeps after freeing), " \
@@ -325,6 +328,21 @@ def test_when_the_ram_is_short_plan_says_so_and_not_that_a_disk_would_do(monkeyp
     # both short: both said (a bigger disk alone was advised)
     assert main(["plan", "--params", "1.5T", "--nvme-path", "/tmp"]) == 1
     assert re.search(r"It would fit with [\d.]+ GB of RAM available and a disk with 33333 GB free", capsys.readouterr().out)
+
+
+def test_when_only_the_compact_state_with_glibc_giving_back_fits_plan_says_both_and_json_stays_json(monkeypatch,
+                                                                                                      capsys):
+    """1B parameters on 3 GB without a GPU: neither the compact state nor glibc
+    giving memory back is enough alone, together they are; --json prints JSON
+    (it printed the text) with no config."""
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(1, None, 3 * 10**9, 10**13, 1.0, 1.0))
+    assert main(["plan", "--params", "1B", "--nvme-path", "/tmp", "--json"]) == 1
+    said = json.loads(capsys.readouterr().out)
+    assert said["config"] is None and said["why"][-1] == (
+        "It fits as stage 3, optimizer nvme, weights nvme with the compact optimizer state (not bitwise AdamW) and "
+        "glibc giving back the memory it keeps after freeing, at about 1.15x the step time "
+        "(benchmarks/host_allocator.py): rerun with --state-dtype int8 --master-dtype bfloat16 and "
+        "MALLOC_TRIM_THRESHOLD_=0 in the environment of plan and of the training.")
 
 
 def test_a_bf16_master_planned_without_a_gpu_computes_in_bf16_and_says_so(tmp_path, monkeypatch, capsys):

@@ -107,8 +107,9 @@ def measure_machine(nvme_path: str | None, gpus: int | None, bench_size: int) ->
     cuda = torch.cuda.is_available()
     count = gpus or (torch.cuda.device_count() if cuda else 1)
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    machine = Machine(count, gpu_mem, psutil.virtual_memory().available, None,
-                      process_bytes=psutil.Process().memory_info().rss,
+    # This process's own memory is the training's once it ends: available then, and what a process like it holds.
+    own = psutil.Process().memory_full_info().uss
+    machine = Machine(count, gpu_mem, psutil.virtual_memory().available + own, None, process_bytes=own,
                       glibc_keeps=not any(k in os.environ for k in GIVES_BACK))
     if nvme_path is not None:
         if not os.path.isdir(nvme_path):
@@ -210,7 +211,9 @@ def run(args: argparse.Namespace) -> int:
     formats = {"state_dtype": args.state_dtype, "master_dtype": args.master_dtype}
     chosen = choose(shape, machine, nvme_path, formats)
     if chosen is None:
-        print(nothing_fits(shape, machine, nvme_path, formats))
+        said = nothing_fits(shape, machine, nvme_path, formats)
+        print(json.dumps({"config": None, "why": said.splitlines(), "machine": machine.__dict__}, indent=1)
+              if args.json else said)
         return 1
     raw, e = chosen
     with open(args.out, "w") as f:
@@ -238,19 +241,18 @@ def nothing_fits(shape: ModelShape, machine: Machine, nvme_path: str | None, for
              f"it needs {ram / 1e9:.1f} GB of RAM and {need.node['nvme'] / 1e9:.1f} GB on disk, against "
              f"{machine.cpu_mem / 1e9:.1f} GB of RAM available and {disk} (a plan uses at most "
              f"{HEADROOM['host']:.0%} of the RAM and {HEADROOM['nvme']:.0%} of the disk)."]
-    if kept_by_glibc(need, machine):
-        giving_back = choose(shape, dataclasses.replace(machine, glibc_keeps=False), nvme_path, formats)
-        if giving_back is not None:
-            lines.append(f"It fits as {giving_back[1].setup.name} if glibc gives back the memory it keeps after "
-                         "freeing, at about 1.15x the step time "
-                         "(benchmarks/host_allocator.py): rerun plan, and train, with MALLOC_TRIM_THRESHOLD_=0 in "
-                         "the environment.")
+    giving_back = dataclasses.replace(machine, glibc_keeps=False)
+    trim = ("glibc giving back the memory it keeps after freeing, at about 1.15x the step time "
+            "(benchmarks/host_allocator.py)", "MALLOC_TRIM_THRESHOLD_=0 in the environment of plan and of the training")
+    compact = ("the compact optimizer state (not bitwise AdamW)", "--state-dtype int8 --master-dtype bfloat16")
+    for ways, on in (([trim], giving_back), ([compact], machine), ([compact, trim], giving_back)):
+        if (compact in ways and formats == COMPACT) or (trim in ways and not kept_by_glibc(need, machine)):
+            continue
+        fitting = choose(shape, on, nvme_path, COMPACT if compact in ways else formats)
+        if fitting is not None:
+            lines.append(f"It fits as {fitting[1].setup.name} with {' and '.join(w for w, _ in ways)}: rerun with "
+                         f"{' and '.join(how for _, how in ways)}.")
             return "\n".join(lines)
-    compact = choose(shape, machine, nvme_path, COMPACT) if formats != COMPACT else None
-    if compact is not None:
-        lines.append(f"It fits as {compact[1].setup.name} with the compact optimizer state (not bitwise AdamW): "
-                     "rerun with --state-dtype int8 --master-dtype bfloat16.")
-        return "\n".join(lines)
     short = []
     if machine.gpu_mem is not None and need.rank_total("device") > HEADROOM["device"] * machine.gpu_mem:
         short.append(f"{need.rank_total('device') / HEADROOM['device'] / 1e9:.1f} GB of GPU memory per rank")
@@ -297,6 +299,10 @@ def explain(shape: ModelShape, machine: Machine, e: Estimate, raw: dict) -> list
         lines.append(f"glibc keeps about {kept_by_glibc(e, machine) / 1e9:.2f} GB of freed memory; "
                      "MALLOC_TRIM_THRESHOLD_=0 in the training's environment gives it back, at about 1.15x the step "
                      "time (benchmarks/host_allocator.py), and plan run with it set counts on that.")
+    if e.setup.stage == 3:
+        lines.append(f"beyond these figures, engine.close() gives the model back whole, {4 * shape.params / 1e9:.2f} GB "
+                     "in fp32 on the accelerator; where that does not fit, save a checkpoint and close it with "
+                     "restore_model=False, as offload train does.")
     prefetch = raw["zero_optimization"].get("stage3_prefetch_bucket_size", PREFETCH[0])
     if prefetch != PREFETCH[0]:
         lines.append(f"stage3_prefetch_bucket_size {prefetch:,}, not DeepSpeed's {PREFETCH[0]:,}, which would not fit: "

@@ -123,7 +123,7 @@ def _say_if_no_optimizer(config) -> None:
     such a config, so a script written for it expects to give its own."""
     data = read_json(config) if isinstance(config, (str, os.PathLike)) else config
     if isinstance(data, dict) and "optimizer" not in data:
-        p = Config.load({}, warn=False).optimizer.params
+        p = AdamParams()
         warnings.warn(f"offload.initialize: the config has no optimizer section, so the engine steps AdamW with "
                       f"lr {p.lr}, betas {tuple(p.betas)}, eps {p.eps} and weight_decay {p.weight_decay} (offload's "
                       "defaults); give an optimizer section to choose them", UserWarning, stacklevel=outside_offload())
@@ -138,7 +138,7 @@ def _nvme_path_exists(config: Config, nvme_path: str | os.PathLike | None) -> No
                          "that exists")
 
 
-from offload.config import Config, read_json  # noqa: E402  (after __version__, for the CLI's cheap import)
+from offload.config import AdamParams, Config, read_json  # noqa: E402  (after __version__, for the CLI's cheap import)
 from offload.errors import ConfigError, OffloadError, UsageError, outside_offload  # noqa: E402
 from offload.engine import Engine  # noqa: E402
 from offload.load_weights import from_pretrained, init_covering, load_weights  # noqa: E402

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections import Counter
 
 import torch
 
@@ -34,9 +35,8 @@ def shortage(model: torch.nn.Module, config: Config, world: int) -> str | None:
     disks: dict[tuple[str, int], dict] = {}  # (host, device) -> what its ranks need there
     for mine in comm.all_gather_object(_needs(model, config, world, paths)):
         for key, disk in mine.items():
-            there = disks.setdefault(key, {"path": disk["path"], "needs": {}, "free": disk["free"], "ranks": 0})
-            for what, nbytes in disk["needs"].items():
-                there["needs"][what] = there["needs"].get(what, 0) + nbytes
+            there = disks.setdefault(key, {"path": disk["path"], "needs": Counter(), "free": disk["free"], "ranks": 0})
+            there["needs"].update(disk["needs"])
             there["free"], there["ranks"] = min(there["free"], disk["free"]), there["ranks"] + 1
     for (host, _), disk in sorted(disks.items()):
         need = sum(disk["needs"].values())
@@ -62,6 +62,6 @@ def _needs(model: torch.nn.Module, config: Config, world: int, paths: dict[str, 
     for what, nbytes in estimate(ModelShape.of_module(model), setup, config, world).per_rank["nvme"].items():
         path = paths["weights" if what.startswith("weights") else "optimizer"]
         disk = disks.setdefault((host, os.stat(path).st_dev),
-                                {"path": path, "needs": {}, "free": shutil.disk_usage(path).free})
-        disk["needs"][what] = disk["needs"].get(what, 0) + nbytes
+                                {"path": path, "needs": Counter(), "free": shutil.disk_usage(path).free})
+        disk["needs"][what] += nbytes
     return disks

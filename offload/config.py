@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, outside_offload
 from offload.schedule import SCHEDULES
 from offload.store.aio import AioSettings
 
@@ -188,7 +188,9 @@ class OffloadParamConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
-    stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3))
+    stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3),
+                    otherwise="DeepSpeed's stage 0 (nothing partitioned) is not implemented: stage 1 computes "
+                              "the same update, and at world size 1 keeps the same state")
     sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
     overlap_comm: bool = _f(False, "true is warned about: collectives run synchronously in this version")
@@ -346,7 +348,7 @@ class Config:
             if warn and isinstance(data, dict) and not nvme_sections(data):
                 warnings.warn(f"offload: nvme_path={os.fspath(nvme_path)!r} has no effect here: no tier of this config "
                               "is on nvme (zero_optimization.offload_optimizer.device, offload_param.device)",
-                              UserWarning, stacklevel=2)
+                              UserWarning, stacklevel=outside_offload())
             data = _with_nvme_path(data, os.fspath(nvme_path))
         autos = list(_auto_values(data)) if isinstance(data, dict) else []
         if autos:
@@ -365,7 +367,7 @@ class Config:
             if at_default else []
         idle += [f"{key} ({why})" for key, why in _without_effect(config, reading.given)]
         if idle and warn:
-            warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=2)
+            warnings.warn("offload: these settings have no effect here: " + "; ".join(idle), UserWarning, stacklevel=outside_offload())
         return config
 
     def with_nvme_path(self, path: "str | os.PathLike") -> "Config":

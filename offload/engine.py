@@ -47,7 +47,7 @@ from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.destinations import directory_problem, file_problem
-from offload.errors import UsageError, in_brief
+from offload.errors import UsageError, in_brief, outside_offload
 from offload.hf_key_names import saved_layout
 from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
@@ -875,7 +875,7 @@ class Engine:
         if self.schedule is None and state.lr != self.optimizer.lr and self.rank == 0:
             warnings.warn(f"{LR_RESUMES} {state.lr:g}, not this engine's "
                           f"{self.optimizer.lr:g} (optimizer.params.lr, or the last engine.lr set); set "
-                          "engine.lr after loading to train at another", UserWarning, stacklevel=4)
+                          "engine.lr after loading to train at another", UserWarning, stacklevel=outside_offload())
         self.optimizer.lr = state.lr if self.schedule is None else self.schedule.rate(self.applied_steps)
         self.scaler.load_state_dict(state.loss_scaler)
 
@@ -1005,7 +1005,7 @@ def _warn_if_widened(model: torch.nn.Module, dtype: torch.dtype) -> None:
         key, name = ("bf16", "bfloat16") if torch.bfloat16 in narrow else ("fp16", "float16")
         warnings.warn(f"offload: the model's parameters are {name}, but the config enables neither bf16 nor fp16, "
                       f"so it computes in float32, its weights taking twice the memory; add "
-                      f'"{key}": {{"enabled": true}} to compute in {name}', UserWarning, stacklevel=4)
+                      f'"{key}": {{"enabled": true}} to compute in {name}', UserWarning, stacklevel=outside_offload())
 
 
 _warned_cpu = False
@@ -1017,4 +1017,4 @@ def _warn_if_cpu_beside_cuda(device: torch.device) -> None:
         _warned_cpu = True
         warnings.warn("offload: the model's parameters are on the CPU although CUDA is available, so the CPU will "
                       "compute; move the model to the GPU (model.cuda()) before offload.initialize to train on it",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=outside_offload())

@@ -34,12 +34,20 @@ import sys
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+# Libraries that call back into offload (torch's autograd and module hooks, the
+# Trainer's loop): their frames stand between the engine and the user's line.
+_CALLING_BACK = ("torch", "transformers", "accelerate")
+
+
 def outside_offload() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside
-    this package (the user's line, however deep the engine's calls went);
-    call it where ``warnings.warn`` is called."""
+    this package and the libraries that call back into it (the user's line,
+    however deep the engine's calls went); call it where ``warnings.warn`` is
+    called."""
+    libraries = (_PACKAGE,) + tuple(os.path.dirname(module.__file__) + os.sep for module in
+                                    map(sys.modules.get, _CALLING_BACK) if getattr(module, "__file__", None))
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
         level, frame = level + 1, frame.f_back
     return level
 

@@ -65,7 +65,7 @@ from offload.config import (PERSISTENCE, PREFETCH_BUCKET, REDUCE_BUCKET, Config,
                             read_json)
 from offload.destinations import directory_problem
 from offload.engine import LR_RESUMES
-from offload.errors import CheckpointError, ConfigError, UsageError
+from offload.errors import CheckpointError, ConfigError, UsageError, outside_offload
 from offload.peft_models import is_peft_model
 from offload.schedule import schedule_of
 from offload.zero.materialize import is_meta
@@ -337,7 +337,7 @@ class OffloadTrainer(transformers.Trainer):
             _check_schedule_early(resolved)
             if unused:
                 warnings.warn(f"OffloadTrainer: TrainingArguments.{' and '.join(unused)} not used: offload_config's "
-                              "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=2)
+                              "scheduler section sets the rate, as under DeepSpeed", UserWarning, stacklevel=outside_offload())
         config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"}, nvme_path)  # the Trainer schedules
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
@@ -446,7 +446,7 @@ class OffloadTrainer(transformers.Trainer):
             if inactive:
                 warnings.warn(f"OffloadTrainer saves the adapters it trains ({', '.join(active)}), not the "
                               f"inactive {', '.join(inactive)}: save those from where they were loaded", UserWarning,
-                              stacklevel=2)
+                              stacklevel=outside_offload())
             if self.args.should_save:
                 self.model.save_pretrained(output_dir, state_dict=adapter, selected_adapters=active)
         else:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from offload.errors import UsageError, in_brief
+from offload.errors import UsageError, in_brief, outside_offload
 from offload.hf_key_names import Merge, conversions
 from offload.peft_models import adapter_own, checkpoint_names
 from offload.pretrained import INDEX, WEIGHTS
@@ -143,7 +143,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
                 (adapter if any(map(own, keys)) else missing).append(" / ".join(keys))  # or an inactive adapter
         if adapter:
             warnings.warn(f"offload.load_weights: {in_brief(adapter)} not in {path}; they keep the values the PEFT "
-                          "model gave them (its adapters' own)", UserWarning, stacklevel=2)
+                          "model gave them (its adapters' own)", UserWarning, stacklevel=outside_offload())
         if missing:
             named = in_brief(missing)
             if not allow_missing:
@@ -151,7 +151,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
                                  "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
                                  "to keep the model's own initial values for them)")
             warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
-                          UserWarning, stacklevel=2)
+                          UserWarning, stacklevel=outside_offload())
         engine.assign_others({key: functools.partial(checkpoint.read, found) for key, found in found_others.items()})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)

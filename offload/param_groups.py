@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from offload.config import AdamParams
-from offload.errors import UsageError, in_brief
+from offload.errors import UsageError, in_brief, outside_offload
 from offload.optim.group_runs import GroupHyper, GroupRuns
 from offload.schedule import Schedule
 from offload.zero.layout import FlatLayout
@@ -86,7 +86,7 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, sche
         for key in sorted(set(group) - OWN - IGNORED):
             if key not in shared:
                 warnings.warn(f"offload: {where} has {key!r}, which offload does not read (it takes {', '.join(OWN_NAMES)} "
-                              "per group and every other hyper-parameter from the config)", UserWarning, stacklevel=4)
+                              "per group and every other hyper-parameter from the config)", UserWarning, stacklevel=outside_offload())
             elif not _same(_value(group[key]), shared[key]):
                 raise UsageError(f"{where} sets {key} {group[key]!r} where the config's optimizer has "
                                  f"{shared[key]!r}: offload takes it from the config, the same for all groups; drop "
@@ -114,7 +114,7 @@ def resolve(model: torch.nn.Module, groups: GroupsLike, params: AdamParams, sche
                       f"({reference[1]:g}): every parameter trains at a multiple of the config's rate (param_groups[0] "
                       f"at {lr_scales[0]:g} times it). If the groups come from a torch optimizer, their lr is its lr "
                       "(1e-3 unless given): build it with the config's lr, or drop lr from the groups",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=outside_offload())
     return Grouping(hyper, tuple(lr_scales))
 
 

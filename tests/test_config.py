@@ -189,6 +189,8 @@ def test_defaults_need_no_warning():
                                           "optimizer here; Lamb, OneBitAdam and the others are not implemented: use AdamW"),
         ({"scheduler": {"type": "OneCycle"}}, "got 'OneCycle'; OneCycle and LRRangeTest are not implemented: remove the "
                                               "scheduler section and set engine.lr before each step"),
+        ({"zero_optimization": {"stage": 0}}, "got 0; DeepSpeed's stage 0 (nothing partitioned) is not implemented: "
+                                              "stage 1 computes the same update, and at world size 1 keeps the same state"),
         ({"compile": {"deepcompile": True}}, "compile is {\"deepcompile\": true}: DeepSpeed's compile is not "
                                              "implemented; compile the model after initialize: engine.module.compile()"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size is 2: sequence parallelism is not implemented"),

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from offload.checkpoint.format import Manifest, RankFile, read_manifest, resolve, verified_extras
-from offload.errors import CheckpointError
+from offload.errors import CheckpointError, outside_offload
 from offload.hf_key_names import saved_layout
 from offload.pretrained import CONFIGS, DEFAULT_SHARD_BYTES, write_pretrained
 from offload.safetensors_file import SafetensorsReader, write_safetensors
@@ -96,7 +96,7 @@ def export_pretrained(path: str, out_dir: str, dtype: torch.dtype | None, tag: s
     if "config.json" not in configs:
         warnings.warn(f"{directory} kept no config.json (its model was no Hugging Face model), so from_pretrained "
                       f"will not load {out_dir} until one is put there: copy the model's config.json into it, or "
-                      "export --out FILE for the weights alone", UserWarning, stacklevel=2)
+                      "export --out FILE for the weights alone", UserWarning, stacklevel=outside_offload())
     elif save_original_format:
         layout = saved_layout(_meta_model(configs["config.json"], out_dir), plan)
         if layout is not None:
@@ -125,7 +125,7 @@ def _meta_model(config: str, out_dir: str) -> torch.nn.Module | None:
     except Exception as exc:
         warnings.warn(f"{out_dir}: written under the model's own key names, not in the older layout transformers' "
                       f"save_pretrained writes, since the model could not be built from its config to tell "
-                      f"({type(exc).__name__}: {exc})", UserWarning, stacklevel=3)
+                      f"({type(exc).__name__}: {exc})", UserWarning, stacklevel=outside_offload())
         return None
 
 

@@ -60,7 +60,7 @@ from offload.checkpoint.format import (
     verified_extras,
     write_synced,
 )
-from offload.errors import CheckpointError, StorageError, UsageError, in_brief
+from offload.errors import CheckpointError, StorageError, UsageError, in_brief, outside_offload
 from offload.optim.group_runs import GroupHyper
 from offload.pretrained import model_configs
 from offload.safetensors_file import SafetensorsReader, write_safetensors
@@ -328,7 +328,7 @@ def load(engine: Checkpointable, load_dir: str, tag: str | None) -> tuple[str | 
         if engine.rank == 0:
             warnings.warn(f"offload: {load_dir} holds no checkpoint (no {LATEST} file): nothing loaded, and "
                           "load_checkpoint returns (None, None) as DeepSpeed's does; pass a tag to load one",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=outside_offload())
         return None, None
     loaded = {}
 
@@ -375,7 +375,7 @@ def _say_if_groups_differ(engine: Checkpointable, manifest: Manifest) -> None:
                           f"trained with another {_SAID[field]} than this engine applies ({name}: {before} saved, "
                           f"{now} now); the engine's own, from its config and param_groups, applies from here: give "
                           "it the saving run's config and param_groups to continue that run unchanged", UserWarning,
-                          stacklevel=3)
+                          stacklevel=outside_offload())
 
 
 def _groups_by_name(engine: Checkpointable) -> dict[str, GroupHyper]:

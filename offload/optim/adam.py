@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from offload import _native
-from offload.errors import UsageError
+from offload.errors import UsageError, outside_offload
 from offload.optim.adam_fallback import adam_step_torch
 from offload.optim.group_runs import GroupRuns
 from offload.optim.hyper import AdamHyper, require
@@ -214,5 +214,5 @@ def warn_fallback_once() -> None:
             "offload: the native library (the CPU Adam, the gradient's passes) is unavailable, using the "
             f"pure-PyTorch fallbacks (same results, several times slower). Reason: {_native.status().reason}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=outside_offload(),
         )

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from offload import _native
-from offload.errors import ConfigError, SwapIOError, UsageError
+from offload.errors import ConfigError, SwapIOError, UsageError, outside_offload
 from offload.store.shard_file import DATA_CRC_AT, HEADER_BYTES, HEADER_CRC_AT, chunk_count, crcs_fit
 
 READ, WRITE = 0, 1
@@ -240,7 +240,7 @@ def _warn_buffered(path: str, mode: int) -> None:
         _warned_paths.add(directory)
         why = ("is on tmpfs/ramfs: the 'nvme' tier there is RAM, not disk"
                if mode == _RAMFS else "does not support O_DIRECT")
-        warnings.warn(f"offload: {directory} {why}; using buffered I/O", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"offload: {directory} {why}; using buffered I/O", RuntimeWarning, stacklevel=outside_offload())
 
 
 class AiofilesEngine:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from offload.errors import StorageError, UsageError
+from offload.errors import StorageError, UsageError, outside_offload
 
 PREFIX = "offload-run-"
 OWNER = "owner.json"
@@ -169,4 +169,4 @@ def _warn_stale(nvme_path: str) -> None:
         warnings.warn(f"offload: {len(found)} run director{'y' if len(found) == 1 else 'ies'} in {nvme_path} "
                       f"({total / 2**20:,.1f} MiB) left by processes that are gone "
                       f"({', '.join(os.path.basename(s.path) for s in found[:3])}{', ...' if len(found) > 3 else ''}); "
-                      f"remove them with: offload clean --nvme-path {nvme_path}", UserWarning, stacklevel=4)
+                      f"remove them with: offload clean --nvme-path {nvme_path}", UserWarning, stacklevel=outside_offload())

@@ -103,7 +103,7 @@ def _below_backward() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
     except OSError as e:
         warnings.warn(f"offload: the overlapped step's worker keeps the process's priority ({e}); backward may slow "
-                      f"more while it works (Note [worker priority])", UserWarning, stacklevel=2)
+                      f"more while it works (Note [worker priority])", UserWarning, stacklevel=outside_offload())
 
 
 class OverlappedStep:

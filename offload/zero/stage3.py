@@ -664,7 +664,7 @@ class PartitionedWeights:
             warnings.warn("offload stage 3: the order in which modules use their parameters changed "
                           "(data-dependent control flow?); read-ahead pauses and the order is recorded again. "
                           "Read-ahead never changes results; with several ranks, every rank must still run "
-                          "the same modules in the same order.", RuntimeWarning, stacklevel=2)
+                          "the same modules in the same order.", RuntimeWarning, stacklevel=outside_offload())
 
     def _prefetch(self) -> None:
         """The parts due next, in a window of the trace holding at most

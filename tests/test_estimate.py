@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import pytest
 import torch
@@ -447,3 +448,18 @@ def test_stage_3_weights_on_nvme_are_what_max_in_cpu_leaves_and_never_negative(g
     assert e.per_rank["nvme"].get("weights (partition)", 0) == 2 * on_disk
     assert all(v >= 0 for tier in e.per_rank.values() for v in tier.values())
     assert e.disk_read_per_step >= 0 and all(v >= 0 for v in e.node.values())
+
+
+
+def test_the_memory_the_planning_process_holds_counts_as_available(monkeypatch):
+    """plan's own process ends before the training starts: what it holds is
+    available to the training, and is what a process like it takes (Note [a
+    process's own RAM]); counted as used, it was counted twice. The figures
+    are pretended: this VM's MemAvailable moves by 0.4-0.75 GB for a 1 GB
+    tensor written, so no real allocation tells the two apart."""
+    own, available = 600 * 2**20, 5 * 2**30
+    monkeypatch.setattr(plan.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
+    monkeypatch.setattr(plan.psutil, "Process", lambda: types.SimpleNamespace(
+        memory_full_info=lambda: types.SimpleNamespace(uss=own)))
+    machine = plan.measure_machine(None, None, 0)
+    assert (machine.cpu_mem, machine.process_bytes) == (available + own, own)

@@ -134,21 +134,22 @@ class ModelShape:
         unit = gpus * ALIGN
         return [-(-n // unit) * unit // gpus for n in self.sizes]
 
-    def ahead(self, window: int, threshold: int) -> int:
-        """Elements stage 3 may upload ahead within ``window``: the parts due next
-        (parameters above ``threshold``, in registration order, which stands
-        for the order they run in) up to the first that would pass it. Without
-        the sizes, the whole window."""
+    def ahead(self, window: int, threshold: int, gpus: int) -> int:
+        """Elements each of ``gpus`` ranks may hold uploaded ahead by stage 3:
+        its parts of the parameters due next (above ``threshold``, in
+        registration order, which stands for the order they run in), up to the
+        first whose whole parameter would pass ``window``. Without the sizes,
+        the whole window's share."""
         if window <= 0 or not self.sizes:
-            return max(0, window)
-        due = [n for n in self.sizes if n > threshold]
-        best = total = start = 0
-        for n in due:  # the fullest run of consecutive parts within the window
-            total += n
+            return max(0, window) // gpus
+        due = [(n, part) for n, part in zip(self.sizes, self._parts(gpus)) if n > threshold]
+        best = total = held = start = 0
+        for n, part in due:  # the run of consecutive parameters within the window whose parts are the most
+            total, held = total + n, held + part
             while total > window:
-                total -= due[start]
+                total, held = total - due[start][0], held - due[start][1]
                 start += 1
-            best = max(best, total)
+            best = max(best, held)
         return best
 
     def persistent(self, threshold: int) -> int:
@@ -318,9 +319,9 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
         if setup.weights != "none":
             threshold = zero.stage3_param_persistence_threshold
             ahead = shape.ahead(min(zero.stage3_prefetch_bucket_size,
-                                    zero.stage3_max_live_parameters - persistent - running), threshold)
+                                    zero.stage3_max_live_parameters - persistent - running), threshold, gpus)
             if setup.weights == "nvme" and not in_cpu:  # only parts read into the pool's read-ahead buffers
-                ahead = min(ahead, max(0, zero.offload_param.buffer_count - 2) * shape.largest)
+                ahead = min(ahead, max(0, zero.offload_param.buffer_count - 2) * part)
         tiers["device"]["weights (gathered)"] = d * min(persistent + running + ahead, P)
         tiers[beside_optimizer]["weights (handover buffer)"] = d * sub_group
         tiers["device"]["gradient buckets"] = d * shape.largest_trained

@@ -2,6 +2,7 @@
 hand-computed offload cases, and the accounting checked against what the
 engine itself reports (memory per tier, bytes moved to disk) on a real model."""
 
+import functools
 import json
 import os
 import re
@@ -18,6 +19,8 @@ from offload import _native
 from offload.cli import main, plan
 from offload.estimate import ModelShape, Setup, all_setups, estimate, zero_model_states
 from offload.models.gpt import GPT, SIZES
+
+from .zero.harness import finish_rank, init_gloo, spawn_ranks
 
 GB = 1e9
 
@@ -174,18 +177,32 @@ def test_the_estimate_counts_the_weights_uploaded_ahead(tmp_path, weights):
     elements: the estimate counts them, for a bucket that no part fits in and
     one that holds several, and the two peaks differ."""
     peaks = {bucket: _check_estimate(tmp_path, Setup(3, "cpu", weights), "float32", "float32", overlap_step=False,
-                                     limits={"stage3_max_live_parameters": 10**9,
-                                             "stage3_prefetch_bucket_size": bucket})
+                                     limits=_ahead(bucket))
              for bucket in (100_000, 600_000)}
     assert peaks[600_000] > peaks[100_000] + 2 * 400_000, peaks  # bf16: at least 400K elements went ahead
 
 
-def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=lambda name: False,
-                    limits=None) -> int:
-    """The estimate against the engine's own report, after two steps of the
-    small model; ``limits``: stage 3's, instead of a tight max_live. Returns
-    the accelerator's measured peak."""
-    c = SIZES["small"]
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_the_estimate_counts_each_ranks_part_of_the_weights_uploaded_ahead(tmp_path):
+    """At world size 2 a part uploaded ahead is half its parameter; the
+    prefetch bucket counts whole parameters, as DeepSpeed's does."""
+    peak = _check_estimate(tmp_path, Setup(3, "cpu", "cpu"), "float32", "float32", overlap_step=False,
+                           limits=_ahead(600_000), world=2)
+    alone = _check_estimate(tmp_path / "alone", Setup(3, "cpu", "cpu"), "float32", "float32", overlap_step=False,
+                            limits=_ahead(600_000))
+    assert peak < alone - 2 * 200_000, (peak, alone)  # bf16: of 400K or more elements ahead, half stayed on the other rank
+
+
+def _ahead(bucket: int) -> dict:
+    return {"stage3_max_live_parameters": 10**9, "stage3_prefetch_bucket_size": bucket}
+
+
+def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=None, limits=None,
+                    world=1) -> int:
+    """The estimate against the engine's own report (each rank's, at
+    ``world`` gloo ranks), after two steps of the small model; ``frozen``: the
+    names of parameters that do not train; ``limits``: stage 3's, instead of a
+    tight max_live. Returns the accelerator's measured peak."""
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             **(limits or {"stage3_max_live_parameters": 200_000}),
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
@@ -195,13 +212,32 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
                                      if setup.optimizer != "none" else {})}}
     if setup.stage == 3:
         zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
-    config = offload.Config.load({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
+    raw = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero}
+    if world == 1:
+        measured = [_measure(raw, frozen)]
+    else:
+        measured = spawn_ranks(functools.partial(_measure_rank, raw=raw), tmp_path, world)
+    shape = ModelShape.from_config(SIZES["small"])
+    for m in measured:
+        trainable = m["trainable"]
+        e = estimate(shape if trainable == shape.params else shape.with_trainable(trainable), setup,
+                     offload.Config.load(raw), world, host_accelerator=True)
+        for tier, peak in m["peak"].items():
+            assert abs(e.rank_total(tier) - peak) <= 0.1 * peak + 65536, (tier, e.rank_total(tier), peak)
+        for estimated, traffic in ((e.disk_read_per_step, m["read"]), (e.disk_written_per_step, m["written"])):
+            assert abs(estimated - traffic) <= 0.1 * traffic + 65536, (estimated, traffic)
+    return max(m["peak"]["device"] for m in measured)
+
+
+def _measure(raw: dict, frozen) -> dict:
+    """Two steps of the small model: the engine's peak bytes by tier, its disk
+    traffic in the second, and how many parameters train."""
+    c = SIZES["small"]
     torch.manual_seed(0)
     model = GPT(c)
     for name, p in model.named_parameters():
-        p.requires_grad_(not frozen(name))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    engine = offload.initialize(model, config)
+        p.requires_grad_(not (frozen and frozen(name)))
+    engine = offload.initialize(model, raw)
     tokens = torch.randint(0, 256, (2, c.block_size + 1))
     for _ in range(2):
         before = engine.disk_traffic()
@@ -211,15 +247,14 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
     after = engine.disk_traffic()
     report = engine.memory_report()
     engine.close()
-    peak = {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")}
-    shape = ModelShape.from_config(c)
-    e = estimate(shape if trainable == shape.params else shape.with_trainable(trainable), setup, config, 1,
-                 host_accelerator=True)
-    for tier, measured in peak.items():
-        assert abs(e.rank_total(tier) - measured) <= 0.1 * measured + 65536, (tier, e.rank_total(tier), measured)
-    for estimated, measured in ((e.disk_read_per_step, after[0] - before[0]), (e.disk_written_per_step, after[1] - before[1])):
-        assert abs(estimated - measured) <= 0.1 * measured + 65536, (estimated, measured)
-    return peak["device"]
+    return {"peak": {"device": 0, "host": 0, "nvme": 0, **report.by_tier("peak_bytes")},
+            "read": after[0] - before[0], "written": after[1] - before[1],
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+def _measure_rank(rank: int, port: int, out_dir: str, raw: dict) -> None:
+    init_gloo(rank, 2, port)
+    finish_rank(out_dir, rank, _measure(raw, None))
 
 
 def test_plan_climbs_the_ladder_as_memory_shrinks():

@@ -259,6 +259,8 @@ class PartitionedWeights:
         # now, one for a write-back in flight (so with two or fewer, none).
         self.read_ahead_buffers = max(0, param_cfg.buffer_count - 2)
         self.live_elements = self.peak_live_elements = 0
+        # What the accelerator holds for them: a part uploaded ahead is this rank's share of its parameter.
+        self.device_elements = self.peak_device_elements = 0
         self.ahead_elements = self.peak_ahead_elements = 0
         self.peak_held_elements = 0  # gathered plus read ahead (Note [stage 3 limits])
         self.uploads_ahead = 0  # parts sent to the accelerator before their module asked
@@ -476,7 +478,7 @@ class PartitionedWeights:
             local, landing = self._shards[m.key], None
         elif m in self._uploaded:  # uploaded ahead: counted as live already
             landing, local = self._uploaded.pop(m)
-            self.live_elements -= numel
+            self._count_live(-numel, -m.bucket.part)
         else:
             host = self._read_shard(m)
             copied = whole  # straight into the parameter
@@ -496,13 +498,17 @@ class PartitionedWeights:
             self._done_with_shard(m)
         m.state = ParamState.GATHERED
         m.version = p._version
-        self._count_live(numel)
+        self._count_live(numel, numel)
         if record:
             self._note_order(m)
 
-    def _count_live(self, elements: int) -> None:
+    def _count_live(self, elements: int, on_device: int) -> None:
+        """``elements`` count against the limits whole, as DeepSpeed's do;
+        ``on_device`` is what the accelerator holds for them."""
         self.live_elements += elements
+        self.device_elements += on_device
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+        self.peak_device_elements = max(self.peak_device_elements, self.device_elements)
         self._note_held()
 
     def _note_held(self) -> None:
@@ -512,7 +518,7 @@ class PartitionedWeights:
         p = m.slot.param
         changed = m.state is ParamState.GATHERED and p._version != m.version
         if m.state is ParamState.GATHERED:
-            self.live_elements -= m.slot.numel
+            self._count_live(-m.slot.numel, -m.slot.numel)
         else:
             p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
         p.data.untyped_storage().resize_(0)
@@ -710,7 +716,7 @@ class PartitionedWeights:
         local = torch.empty(m.bucket.part, dtype=self.dtype, device=self.device)
         self._uploaded[m] = (self.transfer.to_device(host, local), local)
         self.uploads_ahead += 1
-        self._count_live(m.slot.numel)
+        self._count_live(m.slot.numel, m.bucket.part)
 
     def _drop_uploads(self) -> None:
         """Give back the uploads ahead that will not be used (their host buffers once they landed)."""
@@ -721,7 +727,7 @@ class PartitionedWeights:
         pending, _ = self._uploaded.pop(m)
         pending.release()
         self._done_with_shard(m)
-        self.live_elements -= m.slot.numel
+        self._count_live(-m.slot.numel, -m.bucket.part)
 
     def _drop_read_ahead(self) -> None:
         """Give back the buffers of read-ahead, and the uploads ahead, that will not be used."""
@@ -873,7 +879,8 @@ class PartitionedWeights:
 
     def memory(self, report: MemoryReport) -> None:
         element = self._element
-        report.add("weights (gathered, live)", "device", self.live_elements * element, self.peak_live_elements * element)
+        report.add("weights (gathered, live)", "device", self.device_elements * element,
+                   self.peak_device_elements * element)
         if self._scratch is not None:
             n = self._scratch.numel() * element
             report.add("weights (handover buffer)", self._publish_tier, n, n)

@@ -85,7 +85,8 @@ def _with_nvme_path(data: Any, path: str) -> Any:
 
 def _f(default, doc: str, **bounds):
     """A config field: default, one line of documentation, bounds (ge, gt, le, lt,
-    choices; ``otherwise``: what to do instead of a value not among the choices)."""
+    choices; ``otherwise``: what to do instead of a value not among the choices,
+    or of the values a dict names)."""
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: default, metadata={"doc": doc, **bounds})
     return field(default=default, metadata={"doc": doc, **bounds})
@@ -189,8 +190,8 @@ class OffloadParamConfig:
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3),
-                    otherwise="DeepSpeed's stage 0 (nothing partitioned) is not implemented: stage 1 computes "
-                              "the same update, and at world size 1 keeps the same state")
+                    otherwise={0: "DeepSpeed's stage 0 (nothing partitioned) is not implemented: stage 1 computes "
+                                  "the same update, and at world size 1 keeps the same state"})
     sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
     overlap_comm: bool = _f(False, "true is warned about: collectives run synchronously in this version")
@@ -738,7 +739,9 @@ def _value(hint, f, value, where: str, reading: _Reading):
     if meta.get("any_case"):
         value = next((c for c in meta["choices"] if c.lower() == value.lower()), value)
     if "choices" in meta and value not in meta["choices"]:
-        otherwise = f"; {meta['otherwise']}" if "otherwise" in meta else ""
+        otherwise = meta.get("otherwise")
+        otherwise = otherwise.get(value) if isinstance(otherwise, dict) else otherwise
+        otherwise = f"; {otherwise}" if otherwise else ""
         raise ConfigError(f"{where} must be one of {list(meta['choices'])}, got {value!r}{otherwise}")
     for bound, ok, words in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                              ("le", lambda a, b: a <= b, "<=")):

@@ -46,10 +46,16 @@ def outside_offload() -> int:
     called."""
     libraries = (_PACKAGE,) + tuple(os.path.dirname(module.__file__) + os.sep for module in
                                     map(sys.modules.get, _CALLING_BACK) if getattr(module, "__file__", None))
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(libraries):
-        level, frame = level + 1, frame.f_back
-    return level
+    caller = sys._getframe(1)
+    # On a thread of a library's own (autograd's, with CUDA tensors) no user line is below: then offload's
+    # caller; on offload's own, the line that warns. Past the stack's end, warnings would name "sys:1".
+    for skipped in (libraries, (_PACKAGE,)):
+        level, frame = 1, caller
+        while frame is not None and frame.f_code.co_filename.startswith(skipped):
+            level, frame = level + 1, frame.f_back
+        if frame is not None:
+            return level
+    return 1
 
 
 def in_brief(names: list[str]) -> str:

@@ -134,6 +134,10 @@ class ModelShape:
         unit = gpus * ALIGN
         return [-(-n // unit) * unit // gpus for n in self.sizes]
 
+    def largest_part(self, gpus: int) -> int:
+        """Elements of the largest parameter's part on each of ``gpus`` ranks, padded as the engine pads it."""
+        return max(self._parts(gpus)) if self.sizes else math.ceil(self.largest / gpus)
+
     def ahead(self, window: int, threshold: int, gpus: int) -> int:
         """Elements each of ``gpus`` ranks may hold uploaded ahead by stage 3:
         its parts of the parameters due next (above ``threshold``, in
@@ -286,7 +290,7 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
     P = shape.params
     n = math.ceil(P / gpus)  # weights: stage 3 partitions frozen ones too
     t = math.ceil(shape.trained / gpus)  # owned elements with a gradient and optimizer state
-    part = math.ceil(shape.largest / gpus)
+    part = shape.largest_part(gpus)
     sub_group = min(zero.sub_group_size, t)
     grads_on_disk = zero.offload_optimizer.gradients_on_nvme and setup.optimizer == "nvme"
     tiers: dict[str, dict[str, float]] = {t: {} for t in TIERS}

@@ -204,6 +204,12 @@ def test_bad_configs_name_the_field(data, message):
         Config.load(data)
 
 
+def test_a_hint_for_one_refused_value_is_not_given_for_another():
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"zero_optimization": {"stage": 4}})
+    assert str(caught.value) == "zero_optimization.stage must be one of [1, 2, 3], got 4"
+
+
 def test_auto_values_are_all_named_at_once_with_where_they_are_filled_in():
     """A DeepSpeed config written for Hugging Face, given to offload.initialize:
     every "auto" is named, but for keys offload ignores anyway."""

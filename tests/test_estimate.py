@@ -216,7 +216,8 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
     if world == 1:
         measured = [_measure(raw, frozen)]
     else:
-        measured = spawn_ranks(functools.partial(_measure_rank, raw=raw), tmp_path, world)
+        assert frozen is None, "a test's lambda does not reach spawned ranks"
+        measured = spawn_ranks(functools.partial(_measure_rank, raw=raw, world=world), tmp_path, world)
     shape = ModelShape.from_config(SIZES["small"])
     for m in measured:
         trainable = m["trainable"]
@@ -252,8 +253,8 @@ def _measure(raw: dict, frozen) -> dict:
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
-def _measure_rank(rank: int, port: int, out_dir: str, raw: dict) -> None:
-    init_gloo(rank, 2, port)
+def _measure_rank(rank: int, port: int, out_dir: str, raw: dict, world: int) -> None:
+    init_gloo(rank, world, port)
     finish_rank(out_dir, rank, _measure(raw, None))
 
 

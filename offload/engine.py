@@ -26,6 +26,15 @@ angles from it in fp32. Rounded to bf16, a frequency moves by up to 0.37%,
 and the angle at position 4096 by up to 5 radians (7 at Llama 3's theta).
 DeepSpeed casts it too, and so trains on other position encodings than the
 exported model then uses.
+
+Note [rank 0's initial values]
+Every rank starts from rank 0's parameters and buffers, as DDP and DeepSpeed
+start: a script seeded by rank (or one that loads a file on rank 0 only)
+would otherwise train a model whose parts came from different models, with
+no error, since each rank keeps only its part of the master weights. Each
+tensor is broadcast once it holds its initial values, before it is
+partitioned: at stage 3 built on meta, module by module, as it is
+materialised, so the whole model never exists at once.
 """
 
 from __future__ import annotations
@@ -229,6 +238,8 @@ class Engine:
         else:
             if is_meta(model):
                 materialize(model, init_fn)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                self._from_rank_0(tensor)
             for bucket in self.layout.buckets:
                 self._give_master(bucket)
             self.optimizer.finish_master()
@@ -281,6 +292,7 @@ class Engine:
         module, so the whole model never exists at once."""
 
         def ready(param: torch.nn.Parameter) -> None:
+            self._from_rank_0(param)
             slot = self.reducer.slot_of.get(param)
             if slot is not None:
                 self._give_master(self.layout.buckets[slot.bucket])
@@ -292,9 +304,20 @@ class Engine:
         else:
             for param in model.parameters():
                 ready(param)
+        for buffer in model.buffers():
+            self._from_rank_0(buffer)
         self.optimizer.finish_master()
         self._to_compute_dtype(model, partitioned=self.weights.manages)
         self.weights.finish()
+
+    def _from_rank_0(self, tensor: torch.Tensor) -> None:
+        """Note [rank 0's initial values]."""
+        if self.world == 1:
+            return
+        values = tensor.data.to(self._comm_device).contiguous()  # NCCL sends from the GPU; gloo from anywhere
+        comm.broadcast(values, 0)
+        if values is not tensor.data:
+            tensor.data.copy_(values)
 
     def _to_compute_dtype(self, model: torch.nn.Module, partitioned: Callable[[torch.Tensor], bool]) -> None:
         """The parameters not ``partitioned`` and the buffers move to the

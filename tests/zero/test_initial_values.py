@@ -1,0 +1,57 @@
+"""Note [rank 0's initial values]: two ranks whose models were seeded
+differently both start from rank 0's parameters and buffers, at every stage,
+for a model built whole and one built on the meta device; without it each
+rank's part of the master weights came from its own model."""
+
+import hashlib
+
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.models.gpt import GPT, SIZES
+
+from .harness import config, each_tier, make_model, spawn_ranks
+
+pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
+
+CASES = ("1-cpu", "2-nvme", "3-cpu", "3-nvme-meta")
+
+
+def _built(case: str, rank: int, cfg: dict) -> tuple[torch.nn.Module, object]:
+    """The model seeded by rank, and its initialiser (a meta-built one draws at initialize)."""
+    if case.endswith("meta"):
+        torch.manual_seed(100 + rank)
+        with offload.init(cfg):
+            model = GPT(SIZES["tiny"])
+        init_fn = model.init_module
+    else:
+        model, init_fn = make_model(seed=rank), None
+    model.register_buffer("counts", torch.full((3,), rank))
+    return model, init_fn
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    def check(case: str, nvme: str) -> dict:
+        stage, tier = case.split("-")[:2]
+        cfg = config(int(stage), tier if stage != "3" else "cpu", 1, nvme, param_device=tier if stage == "3" else None)
+        model, init_fn = _built(case, rank, cfg)
+        with offload.initialize(model, cfg, init_fn=init_fn) as engine:
+            state = engine.state_dict()  # fp32: the master weights, assembled from both ranks' parts
+            counts = engine.module.counts.tolist()
+        digest = hashlib.sha1(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
+        rank0_model = make_model(seed=0).state_dict()
+        return {"digest": digest, "counts": counts,
+                "rank 0's model": case.endswith("meta") or all(torch.equal(state[k], rank0_model[k]) for k in rank0_model)}
+
+    each_tier(rank, port, out_dir, CASES, check)
+
+
+def test_every_rank_starts_from_rank_0s_values(tmp_path):
+    ranks = spawn_ranks(_worker, tmp_path)
+    for case in CASES:
+        first, second = (results[case] for results in ranks)
+        assert first["digest"] == second["digest"], case
+        assert first["counts"] == second["counts"] == [0, 0, 0], case
+        assert first["rank 0's model"] and second["rank 0's model"], case

@@ -68,6 +68,7 @@ from offload.signals import sigint_held
 from offload.swap_room import shortage
 from offload.store.pool import PinnedPool, footprint
 from offload.zero import comm
+from offload.zero.agreement import check_ranks_agree
 from offload.zero.consolidate import (
     StateEntries,
     assemble,
@@ -194,6 +195,7 @@ class Engine:
             raise UsageError("the model has no trainable parameters; offload trains at least one")
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
+        check_ranks_agree(model, config)  # a collective: after the device, which NCCL's uses
         short = shortage(model, config, self.world)  # a collective: after the device, which NCCL's uses
         if short is not None:
             raise UsageError(f"offload.initialize: {short}")

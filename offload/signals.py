@@ -9,7 +9,9 @@ once in the main thread, turns the first SIGTERM or SIGINT into
 interpreter's exit runs every store's finaliser (swap files and run
 directories removed), and the process exits with the status a shell gives
 that signal, without a traceback. Later signals are ignored, so a second
-Ctrl-C cannot cut that cleanup short. It is installed only when asked for: a
+Ctrl-C cannot cut that cleanup short, and so is a first one that comes
+during the interpreter's exit (torchrun's SIGTERM, sent when another rank
+has died, reaches a rank whose error is already ending it). It is installed only when asked for: a
 program may have handlers of its own. ``offload train`` has its own
 (offload/cli/interrupt.py).
 
@@ -45,8 +47,14 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
     def handle(signum, frame) -> None:
         for s in signals:
             signal.signal(s, signal.SIG_IGN)
-        print(f"offload: {signal.Signals(signum).name} received; closing (exit status {128 + signum})",
-              file=sys.stderr, flush=True)
+        name = signal.Signals(signum).name
+        # The program has ended (an error, or its last line) and the interpreter's exit is removing the swap
+        # files: raised there, SystemExit would stop that, as torchrun's SIGTERM did after another rank died.
+        if not threading.main_thread().is_alive():
+            print(f"offload: {name} received while exiting; the swap files are removed first", file=sys.stderr,
+                  flush=True)
+            return
+        print(f"offload: {name} received; closing (exit status {128 + signum})", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     for s in signals:

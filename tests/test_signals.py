@@ -60,3 +60,32 @@ def test_without_the_handler_sigterm_leaves_the_swap_files(tmp_path):
     status, _ = _stop(tmp_path, signal.SIGTERM, "default")
     assert status == -signal.SIGTERM
     assert [name for name in os.listdir(tmp_path) if name.startswith("offload-run-")]  # what offload clean is for
+
+
+ENDING = """
+import os, signal, sys, weakref, torch, offload
+offload.exit_on_signals()
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+nvme = {"device": "nvme", "nvme_path": sys.argv[1]}
+engine = offload.initialize(model, {"zero_optimization": {"stage": 3, "offload_optimizer": nvme,
+                                                          "offload_param": {**nvme, "max_in_cpu": 0}}})
+engine.backward(engine(torch.randn(8, 64)).square().mean())
+engine.step()
+# Run first at exit, before the swap store's own finaliser: the SIGTERM torchrun sends once another rank died.
+weakref.finalize(engine, os.kill, os.getpid(), signal.SIGTERM)
+raise RuntimeError("a collective failed")
+"""
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_a_signal_during_the_exit_of_a_failed_run_lets_the_swap_files_go(tmp_path):
+    """The error ends the run; the signal that follows it during the
+    interpreter's exit neither stops the removal of the swap files nor
+    replaces the error's status."""
+    done = subprocess.run([sys.executable, "-c", ENDING, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr
+    assert "RuntimeError: a collective failed" in done.stderr
+    assert "offload: SIGTERM received while exiting; the swap files are removed first" in done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert os.listdir(tmp_path) == []

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if made.reporting:  # one line for the run, not one per rank
             if made.bar is not None:
                 made.bar.end_line()
-            print(f"offload train: {made.interrupted()}", file=sys.stderr, flush=True)
+            print(f"offload train: {made.interrupted()}{_sent_by_torchrun(status)}", file=sys.stderr, flush=True)
         return status
     sigint.finish()
     if made.reporting:
@@ -172,6 +173,16 @@ class _Made:
         else:
             kept = ""
         return f"interrupted {at}; " + (f"removed {' and '.join(gone)}" if gone else "nothing to remove") + kept
+
+
+def _sent_by_torchrun(status: int) -> str:
+    """torchrun sends SIGTERM to every rank when one has failed, and so a
+    rank waiting on a dead one is interrupted before its collective fails:
+    say where the failure is told."""
+    if status != 128 + signal.SIGTERM or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    return ("; the SIGTERM came from torchrun, which sends it to every rank when one has failed (its report names "
+            "the rank and its exit status) or when it was stopped itself")
 
 
 def _remove_if_empty(dirs: list[str]) -> None:

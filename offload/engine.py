@@ -58,6 +58,7 @@ from offload.config import Config
 from offload.destinations import directory_problem, file_problem
 from offload.errors import UsageError, in_brief, outside_offload
 from offload.hf_key_names import saved_layout
+from offload.optim.adam import one_thread_from_torchrun
 from offload.optim.group_runs import GroupHyper
 from offload.peft_models import adapter_init
 from offload.pretrained import DEFAULT_SHARD_BYTES, model_configs, write_pretrained, write_torch_file
@@ -202,6 +203,8 @@ class Engine:
         self.dtype = DTYPES[config.compute_dtype_name]
         if self.rank == 0:
             _warn_if_widened(model, self.dtype)
+            if offload.device != "none" and (few := one_thread_from_torchrun()):
+                warnings.warn(f"offload: {few}", UserWarning, stacklevel=outside_offload())
         self._original_dtypes = {name: v.dtype for name, v in _parameters_and_buffers(model)}
         # Stage 3 makes every parameter its own bucket: one gather, one reduce-scatter each.
         self.layout = FlatLayout.of_model(named, self.rank, self.world, None if zero.stage == 3 else zero.reduce_bucket_size)

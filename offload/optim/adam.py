@@ -49,8 +49,22 @@ def default_threads() -> int:
             raise UsageError(f"OMP_NUM_THREADS={given!r} is not a thread count; set it to a whole number >= 1") from None
         require(1 <= threads <= MAX_THREADS, f"OMP_NUM_THREADS={given!r} must be in [1, {MAX_THREADS}]")
         return threads
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, available_cores() // max(1, local_ranks))
+    return _cores_per_rank()
+
+
+def _cores_per_rank() -> int:
+    return max(1, available_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+def one_thread_from_torchrun() -> str | None:
+    """What to do when torchrun chose the CPU Adam's threads: it sets
+    ``OMP_NUM_THREADS=1`` for the processes it starts, when that is unset and
+    it starts several on the node, which leaves each rank one core of its share."""
+    share = _cores_per_rank()
+    if os.environ.get("OMP_NUM_THREADS", "").strip() != "1" or "TORCHELASTIC_RUN_ID" not in os.environ or share == 1:
+        return None
+    return (f"OMP_NUM_THREADS is 1 (torchrun sets it so when it is unset), so each rank's CPU Adam uses 1 thread of "
+            f"the {share} cores this node has per rank; set OMP_NUM_THREADS={share} for torchrun")
 
 
 def adam_step(

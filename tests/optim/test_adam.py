@@ -3,10 +3,12 @@
 low-precision copy-out, and clear errors for bad input."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
+import offload
 from offload import _native
 from offload.optim import AdamHyper, adam_step, grad_stats
 from offload.optim import adam as adam_module
@@ -517,6 +519,32 @@ def test_each_rank_uses_the_threads_it_is_given(monkeypatch, env, cores, expecte
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(adam_module, "available_cores", lambda: cores)
     assert adam_module.default_threads() == expected
+
+
+@pytest.mark.parametrize("env,cores,said", [
+    ({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, 8, True),
+    ({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}, 8, False),  # not torchrun's: the user's own choice
+    ({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, 2, False),  # a core each anyway
+    ({"OMP_NUM_THREADS": "4", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, 8, False),
+])
+def test_torchruns_one_thread_per_rank_is_said_with_what_to_set(monkeypatch, env, cores, said):
+    """torchrun sets OMP_NUM_THREADS=1 when it is unset and it starts several
+    processes: each rank's CPU Adam would use one of its cores."""
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(adam_module, "available_cores", lambda: cores)
+    config = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload.initialize(torch.nn.Linear(4, 4), config).close()
+        config["zero_optimization"]["offload_optimizer"]["device"] = "none"  # no CPU Adam: nothing to say
+        offload.initialize(torch.nn.Linear(4, 4), config).close()
+    told = [str(w.message) for w in caught if "OMP_NUM_THREADS" in str(w.message)]
+    assert told == (["offload: OMP_NUM_THREADS is 1 (torchrun sets it so when it is unset), so each rank's CPU Adam "
+                     "uses 1 thread of the 4 cores this node has per rank; set OMP_NUM_THREADS=4 for torchrun"]
+                    if said else [])
 
 
 def test_a_bad_thread_count_is_named(monkeypatch):

@@ -28,6 +28,7 @@ in the collective itself (a CommError).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -96,7 +97,18 @@ def join_the_launch(timeout_s: float | None = None) -> bool:
         torch.cuda.set_device(_local_gpu())
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
+    atexit.register(_leave, dist.group.WORLD)
     return True
+
+
+def _leave(made) -> None:
+    """At exit, the group ``join_the_launch`` made, if the program has not
+    left it itself: torch asks for that, and without it gloo's threads, torn
+    down with the interpreter, abort a finished run now and then ("terminate
+    called without an active exception", exit status -6, which torchrun
+    reports as the job's failure)."""
+    if dist.is_initialized() and dist.group.WORLD is made:
+        dist.destroy_process_group()
 
 
 def _local_gpu() -> torch.device:

@@ -277,6 +277,14 @@ def test_estimate_takes_a_size_name_in_any_case(capsys):
     assert json.loads(capsys.readouterr().out)["params"] == SIZES["85M"].params()
 
 
+def test_estimate_reads_a_config_that_leaves_its_swap_directory_to_the_command_line(capsys):
+    """offload train's default config names no nvme_path (train gives one); the
+    estimate touches no disk, and reads the config's dtype and buffers alike."""
+    shipped = os.path.join(os.path.dirname(__file__), "..", "configs", "train_default.json")
+    assert main(["estimate", "--params", "10M", "--config", shipped, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compute_dtype"] == "float32"  # the config's: no bf16 section
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

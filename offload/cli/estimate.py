@@ -18,6 +18,7 @@ import json
 import os
 
 from offload import Config
+from offload.config import nvme_sections, read_json
 from offload.cli.args import gpt_config, memory_size, parameter_count, positive_int
 from offload.errors import UsageError
 from offload.estimate import TIER_NAMES, TIERS, ModelShape, all_setups, estimate, verdicts, zero_model_states
@@ -99,7 +100,10 @@ def is_hf_config(choice: str) -> bool:
 def load_config(path: str | None) -> Config:
     if path is None:
         return Config.load({"bf16": {"enabled": True}})
-    return Config.load(path)  # its errors name the file and the problem
+    data = read_json(path)  # its errors name the file and the problem
+    # The figures need no disk: a config that leaves its swap directory to the command line still loads.
+    unset = any(not section.get("nvme_path") for _, section in nvme_sections(data))
+    return Config.load(data, "(estimate: no disk used)" if unset else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -315,6 +315,18 @@ def test_plan_with_a_bf16_master_keeps_the_state_in_ram_where_fp32_needs_the_dis
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_plan_for_several_ranks_says_to_start_them_with_torchrun(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(plan, "measure_machine", lambda *_: plan.Machine(2, None, 64 * 10**9, None))
+    out = tmp_path / "planned.json"
+    assert main(["plan", "--model-config", "tiny", "--gpus", "2", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f"wrote {out}; use it: torchrun --nproc_per_node 2 -m offload train --config {out} --model tiny")
+    assert main(["plan", "--params", "100K", "--gpus", "2", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f'wrote {out}; use it: engine = offload.initialize(model, "{out}") in a script started with torchrun '
+        "--nproc_per_node 2")
+
+
 def test_plan_writes_a_config_that_trains(tmp_path, capsys):
     out = tmp_path / "planned.json"
     nvme = tmp_path / "nvme"

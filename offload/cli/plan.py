@@ -225,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
                           "estimate": e.to_json(), "ram_bytes": ram_needed(e, machine)}, indent=1))
     else:
         bundled = args.model_config is not None and not is_hf_config(args.model_config)
-        use = f"offload train --config {args.out} --model {args.model_config}" if bundled else \
-            f'engine = offload.initialize(model, "{args.out}")'
+        launch = f"torchrun --nproc_per_node {machine.gpus} -m " if machine.gpus > 1 else ""
+        use = f"{launch}offload train --config {args.out} --model {args.model_config}" if bundled else \
+            f'engine = offload.initialize(model, "{args.out}")' + (
+                f" in a script started with torchrun --nproc_per_node {machine.gpus}" if machine.gpus > 1 else "")
         print("\n".join(why + [f"wrote {args.out}; use it: {use}"]))
     return 0
 

@@ -461,6 +461,8 @@ def _report(s: dict, out_dir: str) -> str:
     disk = s["disk_bytes_per_step"]
     kept = f" (and {human_bytes(disk['bytes_kept'])} found still in write-back buffers)" if disk["bytes_kept"] else ""
     peaks = ", ".join(f"{tier} {human_bytes(b)}" for tier, b in s["peak_bytes_per_tier"].items())
+    of_rank_0 = " (rank 0)" if s["world_size"] > 1 else ""  # each rank holds and moves as much
+    process = "the whole process" if s["world_size"] == 1 else "rank 0's whole process"
     resumed = s["resumed_from"]
     steps = f"{s['steps']} steps" if resumed is None else \
         f"steps {resumed['step'] + 1}-{s['steps']} (resumed from {resumed['checkpoint']})"
@@ -471,9 +473,9 @@ def _report(s: dict, out_dir: str) -> str:
         f"{s['tokens_per_s']:,.0f} tokens/s; median step {t['wall']:.3f}s: {split}",
         *([f"{s['skipped_steps']} of {s['steps']} steps skipped for an fp16 overflow (not in the figures above); "
            f"loss scale now {s['loss_scale']:g}"] if s["skipped_steps"] else []),
-        f"disk per step{' (rank 0)' if s['world_size'] > 1 else ''}: {human_bytes(disk['bytes_read'])} read{kept}, "
-        f"{human_bytes(disk['bytes_written'])} written; peak per tier{' (rank 0)' if s['world_size'] > 1 else ''}: "
-        f"{peaks}; the whole process at most {human_bytes(s['peak_rss_bytes'])} (RSS)",
+        f"disk per step{of_rank_0}: {human_bytes(disk['bytes_read'])} read{kept}, "
+        f"{human_bytes(disk['bytes_written'])} written; peak per tier{of_rank_0}: "
+        f"{peaks}; {process} at most {human_bytes(s['peak_rss_bytes'])} (RSS)",
         f"summary: {os.path.join(out_dir, 'summary.json')}",
         f"loss curve: {os.path.join(out_dir, 'loss.png')}",
         *([f"checkpoint: {s['checkpoints'][-1]} (offload train --resume it; offload export it --out FILE.safetensors)"]

@@ -285,6 +285,18 @@ def test_estimate_reads_a_config_that_leaves_its_swap_directory_to_the_command_l
     assert json.loads(capsys.readouterr().out)["compute_dtype"] == "float32"  # the config's: no bf16 section
 
 
+def test_estimate_for_training_on_the_cpu_counts_no_staging_copy_of_the_weights(capsys):
+    """On the CPU stages 1-2 write new weights into the model's a sub-group at
+    a time (the engine's own figures: tests/test_estimate.py); a GPU's come
+    back through a staging copy of the rank's whole part."""
+    staging = {}
+    for accelerator in ("gpu", "cpu"):
+        assert main(["estimate", "--params", "1B", "--stage", "2", "--accelerator", accelerator, "--json"]) == 0
+        setups = json.loads(capsys.readouterr().out)["setups"]
+        staging[accelerator] = next(s for s in setups if s["setup"]["name"] == "stage 2, optimizer cpu")["per_rank"]["host"]["staging"]
+    assert staging == {"gpu": 2 * 10**9, "cpu": 2 * 10**8}  # bf16: the rank's part, or one sub-group (default 1e8)
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

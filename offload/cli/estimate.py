@@ -17,6 +17,8 @@ import argparse
 import json
 import os
 
+import torch
+
 from offload import Config
 from offload.config import nvme_sections, read_json
 from offload.cli.args import gpt_config, memory_size, parameter_count, positive_int
@@ -36,6 +38,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     p.add_argument("--gpus", type=positive_int, default=1, help="data-parallel ranks (GPUs) in all (default 1)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu",
+                   help="what computes: a GPU (default), or the CPU itself, where stages 1-2 write new weights into "
+                        "the model's with no staging copy")
     p.add_argument("--gpu-mem", type=memory_size, default=None, help="memory per GPU, e.g. 80GiB")
     p.add_argument("--cpu-mem", type=memory_size, default=None, help="host memory per node, e.g. 512GiB")
     p.add_argument("--nvme-free", type=memory_size, default=None, help="free NVMe space per node, e.g. 2TiB")
@@ -113,11 +118,13 @@ def run(args: argparse.Namespace) -> int:
     state_dtype, master_dtype = args.state_dtype or config.state_dtype, args.master_dtype or config.master_dtype
     rows = []
     for setup in all_setups(args.stage):
-        e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype)
+        e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype,
+                     host_accelerator=args.accelerator == "cpu")
         rows.append((e, verdicts(e, args.gpu_mem, args.cpu_mem, args.nvme_free)))
     paper = zero_model_states(shape.params, args.gpus, trained=shape.trained)
     if args.json:
-        print(json.dumps({"params": shape.params, "trainable": shape.trained, "shape": shape.source, "gpus": args.gpus, "nodes": args.nodes,
+        print(json.dumps({"params": shape.params, "trainable": shape.trained, "shape": shape.source, "gpus": args.gpus,
+                          "nodes": args.nodes, "accelerator": args.accelerator,
                           "compute_dtype": config.compute_dtype_name, "state_dtype": state_dtype,
                           "master_dtype": master_dtype,
                           "optimizer_bytes_per_param": {f"{master} master, {moments} moments":
@@ -138,9 +145,12 @@ def gb(n: float) -> str:
 
 def report(shape: ModelShape, args, config: Config, state_format: str, paper: dict, rows: list) -> str:
     trained = "" if shape.trainable is None else f", {shape.trained / 1e6:.4g}M of them trained"
+    computes = "computing on GPUs" if args.accelerator == "gpu" else "computing on the CPU (no GPU)"
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        computes += "; this machine has none: --accelerator cpu estimates training on its CPU"
     lines = [f"offload estimate: {human_count(shape.params)} parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
-             f"accumulation {config.batch(args.gpus).accumulation}", "",
+             f"accumulation {config.batch(args.gpus).accumulation}, {computes}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
              + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()),
              "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "

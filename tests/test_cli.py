@@ -297,6 +297,15 @@ def test_estimate_for_training_on_the_cpu_counts_no_staging_copy_of_the_weights(
     assert staging == {"gpu": 2 * 10**9, "cpu": 2 * 10**8}  # bf16: the rank's part, or one sub-group (default 1e8)
 
 
+def test_an_error_under_torchrun_names_its_rank(tmp_path, monkeypatch, capsys):
+    """A rank may fail alone (a --resume directory only rank 0 sees); lines from every rank interleave."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    missing = tmp_path / "nowhere.json"
+    assert main(["estimate", "--params", "10M", "--config", str(missing)]) == 2
+    assert capsys.readouterr().err.startswith(f"offload estimate (rank 1): error: cannot read config '{missing}'")
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             warnings.formatwarning = _without_location
             return args.run(args) or 0
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
-        print(f"offload {args.command}: error: {exc}", file=sys.stderr)
+        # Under torchrun each rank may fail on its own (a path only another rank sees): say whose it is.
+        rank = f" (rank {os.environ.get('RANK', '?')})" if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        print(f"offload {args.command}{rank}: error: {exc}", file=sys.stderr)
         return exc.exit_status
     except BrokenPipeError:
         if not _reader_gone(sys.stdout):

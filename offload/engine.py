@@ -188,8 +188,6 @@ class Engine:
         comm.use_timeout(config.comm_timeout_s)  # Note [dying ranks]
         zero = config.zero_optimization
         offload = zero.offload_optimizer
-        self.batch = config.batch(self.world)  # Note [batch sizes]
-        self.accumulation = self.batch.accumulation
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._frozen = {p for p in model.parameters() if not p.requires_grad}  # what it was made with
         if not named:
@@ -197,6 +195,8 @@ class Engine:
         self.device = comm.accelerator(named[0][1])
         _warn_if_cpu_beside_cuda(self.device)
         check_ranks_agree(model, config)  # a collective: after the device, which NCCL's uses
+        self.batch = config.batch(self.world)  # Note [batch sizes]
+        self.accumulation = self.batch.accumulation
         short = shortage(model, config, self.world)  # a collective: after the device, which NCCL's uses
         if short is not None:
             raise UsageError(f"offload.initialize: {short}")
@@ -319,10 +319,11 @@ class Engine:
         """Note [rank 0's initial values]."""
         if self.world == 1:
             return
-        values = tensor.data.to(self._comm_device).contiguous()  # NCCL sends from the GPU; gloo from anywhere
+        own = tensor.data
+        values = own.to(self._comm_device).contiguous()  # NCCL sends from the GPU; gloo from anywhere
         comm.broadcast(values, 0)
-        if values is not tensor.data:
-            tensor.data.copy_(values)
+        if values is not own:
+            own.copy_(values)
 
     def _to_compute_dtype(self, model: torch.nn.Module, partitioned: Callable[[torch.Tensor], bool]) -> None:
         """The parameters not ``partitioned`` and the buffers move to the

@@ -23,9 +23,15 @@ _PER_NODE = ("aio.",)  # besides every nvme_path
 
 
 def check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
-    """Raises on every rank if any rank's config or parameters differ from rank 0's (a collective)."""
+    """Raises on every rank if any rank's config, parameters or buffers differ from rank 0's (a collective)."""
+    # Built on meta or not: the two materialise, and so broadcast rank 0's values (Note [rank 0's initial
+    # values] in engine.py), in different orders.
+    def role(t: torch.Tensor) -> str:
+        return ("" if t.requires_grad else " frozen") if isinstance(t, torch.nn.Parameter) else " buffer"
+
     mine = {"config": _settings(config),
-            "params": [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]}
+            "tensors": [(name, tuple(t.shape), str(t.dtype), role(t), t.is_meta)
+                       for name, t in [*model.named_parameters(), *model.named_buffers()]]}
     ranks = comm.all_gather_object(mine)
     first = ranks[0]
     for rank, theirs in enumerate(ranks[1:], start=1):
@@ -35,12 +41,13 @@ def check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
             said = [f"{k} {theirs['config'].get(k)!r} (rank 0: {first['config'].get(k)!r})" for k in keys]
             raise ConfigError(f"offload.initialize: rank {rank}'s config differs from rank 0's: {in_brief(said)}; "
                               "every rank must be given the same config (only nvme_path and aio may differ)")
-        if theirs["params"] != first["params"]:
-            i = next((i for i, (a, b) in enumerate(zip(first["params"], theirs["params"])) if a != b),
-                     min(len(first["params"]), len(theirs["params"])))
-            seen = [_param(ps, i) for ps in (theirs["params"], first["params"])]
-            raise UsageError(f"offload.initialize: rank {rank}'s model differs from rank 0's at parameter {i}: "
-                             f"{seen[0]} (rank 0: {seen[1]}); every rank must build the same model")
+        if theirs["tensors"] != first["tensors"]:
+            i = next((i for i, (a, b) in enumerate(zip(first["tensors"], theirs["tensors"])) if a != b),
+                     min(len(first["tensors"]), len(theirs["tensors"])))
+            seen = [_tensor(ts, i) for ts in (theirs["tensors"], first["tensors"])]
+            raise UsageError(f"offload.initialize: rank {rank}'s model differs from rank 0's at tensor {i}: "
+                             f"{seen[0]} (rank 0: {seen[1]}); every rank must build the same model, on the meta "
+                             "device (offload.init) on all ranks or on none (rank 0's values reach the others)")
 
 
 def _settings(config: Config) -> dict:
@@ -58,8 +65,8 @@ def _settings(config: Config) -> dict:
     return flat
 
 
-def _param(params: list, i: int) -> str:
-    if i >= len(params):
+def _tensor(tensors: list, i: int) -> str:
+    if i >= len(tensors):
         return "none (it has fewer)"
-    name, shape, dtype, trains = params[i]
-    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}{'' if trains else ' frozen'}"
+    name, shape, dtype, role, meta = tensors[i]
+    return f"{name} {list(shape)} {dtype.removeprefix('torch.')}{role}{' on meta' if meta else ''}"

@@ -3,8 +3,6 @@ differently both start from rank 0's parameters and buffers, at every stage,
 for a model built whole and one built on the meta device; without it each
 rank's part of the master weights came from its own model."""
 
-import hashlib
-
 import pytest
 import torch
 
@@ -32,6 +30,13 @@ def _built(case: str, rank: int, cfg: dict) -> tuple[torch.nn.Module, object]:
     return model, init_fn
 
 
+def _rank_0s(case: str) -> dict:
+    """The values rank 0's model starts from: seed 0's, or, built on meta, what seed 100's initialiser draws
+    (as eager construction draws them: tests/zero/test_init.py)."""
+    torch.manual_seed(100)
+    return (GPT(SIZES["tiny"]) if case.endswith("meta") else make_model(seed=0)).state_dict()
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     def check(case: str, nvme: str) -> dict:
         stage, tier = case.split("-")[:2]
@@ -40,18 +45,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         with offload.initialize(model, cfg, init_fn=init_fn) as engine:
             state = engine.state_dict()  # fp32: the master weights, assembled from both ranks' parts
             counts = engine.module.counts.tolist()
-        digest = hashlib.sha1(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest()
-        rank0_model = make_model(seed=0).state_dict()
-        return {"digest": digest, "counts": counts,
-                "rank 0's model": case.endswith("meta") or all(torch.equal(state[k], rank0_model[k]) for k in rank0_model)}
+        expected = _rank_0s(case)
+        return {"counts": counts, "rank 0's values": sorted(state) == sorted([*expected, "counts"]) and
+                all(torch.equal(state[k], expected[k]) for k in expected)}
 
     each_tier(rank, port, out_dir, CASES, check)
 
 
 def test_every_rank_starts_from_rank_0s_values(tmp_path):
-    ranks = spawn_ranks(_worker, tmp_path)
-    for case in CASES:
-        first, second = (results[case] for results in ranks)
-        assert first["digest"] == second["digest"], case
-        assert first["counts"] == second["counts"] == [0, 0, 0], case
-        assert first["rank 0's model"] and second["rank 0's model"], case
+    for rank, results in enumerate(spawn_ranks(_worker, tmp_path)):
+        for case in CASES:
+            assert results[case] == {"counts": [0, 0, 0], "rank 0's values": True}, (rank, case)

@@ -1,6 +1,6 @@
-"""Ranks given different configs or models are refused at initialize, on
-every rank, naming what differs (offload/zero/agreement.py); their swap
-paths may differ. Without the check, another learning rate trained silently
+"""Ranks given different configs or models (parameters, buffers, built on
+meta or not) are refused at initialize, on every rank, naming what differs
+(offload/zero/agreement.py); their swap paths may differ. Without the check, another learning rate trained silently
 and another stage hung until comm_timeout_s."""
 
 import os
@@ -26,13 +26,18 @@ def _given(case: str, rank: int, nvme: str) -> tuple[torch.nn.Module, dict]:
         cfg["zero_optimization"]["stage"] = 3
     if rank == 1 and case == "model":
         model.blocks.append(torch.nn.Linear(4, 4))
+    model.register_buffer("counts", torch.zeros(4 if rank == 1 and case == "buffer" else 3))
+    if rank == 1 and case == "meta":  # rank 0 loads, the others build on meta: they materialise in other orders
+        with offload.init(cfg):
+            model = make_model()
+        model.register_buffer("counts", torch.zeros(3))
     return model, cfg
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     init_gloo(rank, 2, port)
     said = {}
-    for case in ("same", "lr", "stage", "model"):
+    for case in ("same", "lr", "stage", "model", "buffer", "meta"):
         nvme = os.path.join(out_dir, f"nvme{rank}-{case}")
         os.makedirs(nvme)
         try:
@@ -51,6 +56,11 @@ def test_ranks_that_differ_are_refused_naming_what_differs(tmp_path):
                               "(only nvme_path and aio may differ)")
         assert said["stage"].startswith("ConfigError: offload.initialize: rank 1's config differs from rank 0's: "
                                         "zero_optimization.stage 3 (rank 0: 2)")
-        assert said["model"] == ("UsageError: offload.initialize: rank 1's model differs from rank 0's at parameter 8: "
-                                 "blocks.3.weight [4, 4] float32 (rank 0: norm.weight [24] float32); every rank must "
-                                 "build the same model")
+        must = ("every rank must build the same model, on the meta device (offload.init) on all ranks or on none "
+                "(rank 0's values reach the others)")
+        assert said["model"] == ("UsageError: offload.initialize: rank 1's model differs from rank 0's at tensor 8: "
+                                 f"blocks.3.weight [4, 4] float32 (rank 0: norm.weight [24] float32); {must}")
+        assert said["buffer"] == ("UsageError: offload.initialize: rank 1's model differs from rank 0's at tensor 10: "
+                                  f"counts [4] float32 buffer (rank 0: counts [3] float32 buffer); {must}")
+        assert said["meta"] == ("UsageError: offload.initialize: rank 1's model differs from rank 0's at tensor 0: "
+                                f"gain [24] float32 on meta (rank 0: gain [24] float32); {must}")

@@ -48,9 +48,7 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
         for s in signals:
             signal.signal(s, signal.SIG_IGN)
         name = signal.Signals(signum).name
-        # The program has ended (an error, or its last line) and the interpreter's exit is removing the swap
-        # files: raised there, SystemExit would stop that, as torchrun's SIGTERM did after another rank died.
-        if not threading.main_thread().is_alive():
+        if _exiting():
             print(f"offload: {name} received while exiting; the swap files are removed first", file=sys.stderr,
                   flush=True)
             return
@@ -59,6 +57,15 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
 
     for s in signals:
         signal.signal(s, handle)
+
+
+def _exiting() -> bool:
+    """The program has ended (an error, or its last line) and the interpreter's
+    exit, past waiting for the program's threads, is removing the swap files:
+    raised there, SystemExit would stop that, as torchrun's SIGTERM did once
+    another rank had died. While it waits for a thread, it may still raise."""
+    main = threading.main_thread()
+    return not main.is_alive() and not any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main)
 
 
 _holding = False  # a call is holding SIGINT already (a forward inside a backward's recomputation)

@@ -89,3 +89,23 @@ def test_a_signal_during_the_exit_of_a_failed_run_lets_the_swap_files_go(tmp_pat
     assert "offload: SIGTERM received while exiting; the swap files are removed first" in done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
     assert os.listdir(tmp_path) == []
+
+
+WAITING = """
+import threading, time, offload
+offload.exit_on_signals()
+threading.Thread(target=time.sleep, args=(60,)).start()  # not a daemon: the exit waits for it
+print("ended", flush=True)
+"""
+
+
+def test_a_signal_while_the_exit_waits_for_a_thread_still_stops_the_program(tmp_path):
+    """Until the exit is past waiting for the program's threads, a signal stops it as before."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITING], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ended"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "offload: SIGTERM received; closing (exit status 143)" in err, err

@@ -283,8 +283,8 @@ def test_ctrl_c_under_torchrun_leaves_one_line_from_the_ranks(tmp_path, signum):
     text = "\n".join(lines)
     assert "KeyboardInterrupt" not in text and os.sep + "offload" + os.sep not in text, text  # no frame of ours
     said = [line for line in lines if line.startswith("offload train: interrupted")]
-    from_torchrun = ("; the SIGTERM came from torchrun, which sends it to every rank when one has failed (its report "
-                     "names the rank and its exit status) or when it was stopped itself")
+    from_torchrun = ("; under torchrun a SIGTERM is what it sends every rank when one has failed (its report names "
+                     "the rank and its exit status), or when it is stopped itself")
     expected = INTERRUPTED.format(re.escape(str(out))) + (re.escape(from_torchrun) if signum == signal.SIGTERM else "")
     assert len(said) == 1 and re.fullmatch(expected, said[0]), text
     assert [name for name in os.listdir(tmp_path / "tmp") if not name.startswith("torchelastic_")] == []

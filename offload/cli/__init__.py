@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args) or 0
     except OffloadError as exc:  # anything else is a bug: its traceback is what a report needs
         # Under torchrun each rank may fail on its own (a path only another rank sees): say whose it is.
-        rank = f" (rank {os.environ.get('RANK', '?')})" if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        rank = f" (rank {os.environ.get('RANK', '?')})" if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
         print(f"offload {args.command}{rank}: error: {exc}", file=sys.stderr)
         return exc.exit_status
     except BrokenPipeError:

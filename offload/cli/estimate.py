@@ -105,10 +105,10 @@ def is_hf_config(choice: str) -> bool:
 def load_config(path: str | None) -> Config:
     if path is None:
         return Config.load({"bf16": {"enabled": True}})
-    data = read_json(path)  # its errors name the file and the problem
+    data = read_json(path)
     # The figures need no disk: a config that leaves its swap directory to the command line still loads.
-    unset = any(not section.get("nvme_path") for _, section in nvme_sections(data))
-    return Config.load(data, "(estimate: no disk used)" if unset else None)
+    unset = isinstance(data, dict) and any(not section.get("nvme_path") for _, section in nvme_sections(data))
+    return Config.load(data if unset else path, "(estimate: no disk used)" if unset else None)  # its errors name the file
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,12 +145,12 @@ def gb(n: float) -> str:
 
 def report(shape: ModelShape, args, config: Config, state_format: str, paper: dict, rows: list) -> str:
     trained = "" if shape.trainable is None else f", {shape.trained / 1e6:.4g}M of them trained"
-    computes = "computing on GPUs" if args.accelerator == "gpu" else "computing on the CPU (no GPU)"
+    ranks = f"{args.gpus} GPU(s)" if args.accelerator == "gpu" else f"{args.gpus} rank(s) computing on the CPU"
     if args.accelerator == "gpu" and not torch.cuda.is_available():
-        computes += "; this machine has none: --accelerator cpu estimates training on its CPU"
-    lines = [f"offload estimate: {human_count(shape.params)} parameters ({shape.source}{trained}), {args.gpus} GPU(s) on "
+        ranks += " (this machine has none: --accelerator cpu estimates training on its CPU)"
+    lines = [f"offload estimate: {human_count(shape.params)} parameters ({shape.source}{trained}), {ranks} on "
              f"{args.nodes} node(s), {config.compute_dtype_name} compute, "
-             f"accumulation {config.batch(args.gpus).accumulation}, {computes}", "",
+             f"accumulation {config.batch(args.gpus).accumulation}", "",
              "ZeRO model states per GPU (paper formulas, mixed-precision Adam): "
              + " | ".join(f"{k.replace('stage', 'stage ')} {gb(v)}" for k, v in paper.items()),
              "Optimizer state off the accelerator, bytes per parameter (--master-dtype, --state-dtype): "

@@ -178,11 +178,12 @@ class _Made:
 def _sent_by_torchrun(status: int) -> str:
     """torchrun sends SIGTERM to every rank when one has failed, and so a
     rank waiting on a dead one is interrupted before its collective fails:
-    say where the failure is told."""
+    say where the failure is told (a SIGTERM sent to the ranks themselves,
+    by a scheduler, reads alike: hence no claim of where it came from)."""
     if status != 128 + signal.SIGTERM or "TORCHELASTIC_RUN_ID" not in os.environ:
         return ""
-    return ("; the SIGTERM came from torchrun, which sends it to every rank when one has failed (its report names "
-            "the rank and its exit status) or when it was stopped itself")
+    return ("; under torchrun a SIGTERM is what it sends every rank when one has failed (its report names the "
+            "rank and its exit status), or when it is stopped itself")
 
 
 def _remove_if_empty(dirs: list[str]) -> None:

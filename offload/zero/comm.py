@@ -102,12 +102,13 @@ def join_the_launch(timeout_s: float | None = None) -> bool:
 
 
 def _leave(made) -> None:
-    """At exit, the group ``join_the_launch`` made, if the program has not
-    left it itself: torch asks for that, and without it gloo's threads, torn
-    down with the interpreter, abort a finished run now and then ("terminate
-    called without an active exception", exit status -6, which torchrun
-    reports as the job's failure)."""
-    if dist.is_initialized() and dist.group.WORLD is made:
+    """At exit, the gloo group ``join_the_launch`` made, if the program has
+    not left it itself: torch asks for that, and without it gloo's threads,
+    torn down with the interpreter, abort a finished run now and then
+    ("terminate called without an active exception", exit status -6, which
+    torchrun reports as the job's failure). Not NCCL's: after a failure its
+    teardown may wait on peers that are gone, and no abort was seen there."""
+    if dist.is_initialized() and dist.group.WORLD is made and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 

@@ -321,7 +321,8 @@ class Engine:
             return
         own = tensor.data
         values = own.to(self._comm_device).contiguous()  # NCCL sends from the GPU; gloo from anywhere
-        comm.broadcast(values, 0)
+        # As bytes: gloo has no float8 or unsigned types beyond uint8, and a copy needs no arithmetic.
+        comm.broadcast(values.reshape(-1).view(torch.uint8), 0)
         if values is not own:
             own.copy_(values)
 

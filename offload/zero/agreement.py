@@ -24,11 +24,11 @@ _PER_NODE = ("aio.",)  # besides every nvme_path
 
 def check_ranks_agree(model: torch.nn.Module, config: Config) -> None:
     """Raises on every rank if any rank's config, parameters or buffers differ from rank 0's (a collective)."""
-    # Built on meta or not: the two materialise, and so broadcast rank 0's values (Note [rank 0's initial
-    # values] in engine.py), in different orders.
     def role(t: torch.Tensor) -> str:
         return ("" if t.requires_grad else " frozen") if isinstance(t, torch.nn.Parameter) else " buffer"
 
+    # Built on meta or not (is_meta): the two materialise, and so broadcast rank 0's values (Note [rank 0's
+    # initial values] in engine.py), in different orders.
     mine = {"config": _settings(config),
             "tensors": [(name, tuple(t.shape), str(t.dtype), role(t), t.is_meta)
                        for name, t in [*model.named_parameters(), *model.named_buffers()]]}

@@ -56,7 +56,7 @@ from offload import checkpoint
 from offload.checkpoint import TrainingState
 from offload.config import Config
 from offload.destinations import directory_problem, file_problem
-from offload.errors import UsageError, in_brief, outside_offload
+from offload.errors import CommError, UsageError, in_brief, outside_offload
 from offload.hf_key_names import saved_layout
 from offload.optim.adam import one_thread_from_torchrun
 from offload.optim.group_runs import GroupHyper
@@ -119,6 +119,20 @@ def _while_open(method):
                              "and swap files; make a new one (offload.initialize) to go on training")
         return method(self, *args, **kwargs)
     return checked
+
+
+def _every_rank(method):
+    """A call every rank must make (it gathers or agrees): one made under ``if
+    rank == 0`` waits in its first collective for comm_timeout_s, and the
+    error it ends in says so by name, since "another rank died" would mislead."""
+    @functools.wraps(method)
+    def collective(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CommError as exc:
+            raise CommError(f"{exc}; engine.{method.__name__} is a collective: if only some ranks called it (say "
+                            "under `if rank == 0`), call it on every rank") from exc
+    return collective
 
 
 # DeepSpeed engine attributes offload has elsewhere or not at all -> where to look.
@@ -763,6 +777,7 @@ class Engine:
                 self.weights.assign(entries[key], read)
 
     @_while_open
+    @_every_rank
     def state_dict(self, dtype: torch.dtype = torch.float32,
                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict, consolidated from the fp32 master weights, in
@@ -778,6 +793,7 @@ class Engine:
         return export_plan(self.layout, self._keys(), self.other_entries(exclude_frozen_parameters), dtype)
 
     @_while_open
+    @_every_rank
     def export(self, path: str, dtype: torch.dtype = torch.float32) -> None:
         """Write the consolidated weights (``dtype``: float32, bfloat16 or
         float16) to a safetensors file, one parameter at a time: the whole model
@@ -786,6 +802,7 @@ class Engine:
         write_safetensors(path, self.export_plan(dtype), self.full_weights(dtype), write=self.rank == 0)
 
     @_while_open
+    @_every_rank
     def save_pretrained(self, directory: str, dtype: torch.dtype | None = None,
                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, save_original_format: bool = True) -> list[str]:
         """Write the consolidated weights (in ``dtype``; by default the compute
@@ -807,6 +824,7 @@ class Engine:
                                 write=self.rank == 0)
 
     @_while_open
+    @_every_rank
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's call: the consolidated weights in the compute dtype (bf16
@@ -852,6 +870,7 @@ class Engine:
     # -- checkpoints (the interface checkpoint.save_load uses) ---------------------
 
     @_while_open
+    @_every_rank
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save the full training state (fp32 master weights, Adam moments,
@@ -868,6 +887,7 @@ class Engine:
         return checkpoint.save(self, save_dir, tag, client_state, exclude_frozen_parameters, save_latest)
 
     @_while_open
+    @_every_rank
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
@@ -940,6 +960,7 @@ class Engine:
     # -- the end -------------------------------------------------------------------
 
     @_holding_sigint("close")
+    @_every_rank
     def close(self, restore_model: bool = True) -> None:
         """Finish pending work, give the model back, remove hooks and swap files
         (also after a failure). ``restore_model``: the model's parameters and

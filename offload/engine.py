@@ -187,8 +187,8 @@ class Engine:
             section = getattr(config.zero_optimization, key)
             if section.device == "nvme" and not os.path.isdir(section.nvme_path or ""):
                 raise UsageError(f"zero_optimization.{key}.nvme_path {section.nvme_path!r} is not an existing "
-                                 "directory; create it, or point it at one (offload.initialize(model, config, "
-                                 "nvme_path=DIR) replaces every nvme_path of the config)")
+                                 "directory; create it, or point it at one (nvme_path=DIR, given to offload.initialize "
+                                 "or OffloadTrainer, replaces every nvme_path of the config)")
         self.schedule = schedule_of(config)
         # Before anything replaces a parameter: the groups name the user's own.
         self.grouping = Grouping({}, (1.0,)) if param_groups is None else resolve(

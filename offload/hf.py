@@ -264,11 +264,14 @@ class AppliedStepsSchedule(torch.optim.lr_scheduler.LRScheduler):
     its scheduler after every step: counting steps would move it on."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, rates: Callable[[int], list[float]], engine) -> None:
-        self.rates, self.engine = rates, engine
+        # Counted from here: each train() makes a new schedule, which starts over as the plain Trainer's
+        # does, while the engine (its moments, as the plain Trainer's optimizer) goes on. Kept in the state
+        # dict, so a run resumed from a later train() call's checkpoint counts as it did.
+        self.rates, self.engine, self.start = rates, engine, engine.applied_steps
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:
-        return self.rates(self.engine.applied_steps)
+        return self.rates(self.engine.applied_steps - self.start)
 
     def state_dict(self) -> dict:
         """Without the rates and the engine, which the Trainer rebuilds (its
@@ -354,7 +357,13 @@ class OffloadTrainer(transformers.Trainer):
             model.compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         self._engine_module = _EngineModule(self.engine)
         optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
-        super().__init__(model, args, optimizers=(optimizer, None), **kwargs)
+        try:
+            super().__init__(model, args, optimizers=(optimizer, None), **kwargs)
+        except BaseException:
+            # The model comes back usable, so the call can be mended and made again: left to the engine (which
+            # the caller never got), a stage 3 model would stay partitioned.
+            self.engine.close()
+            raise
 
     # -- the loop's touch points (Note [Trainer wiring]) ------------------------------
 

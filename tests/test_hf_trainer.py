@@ -59,6 +59,38 @@ def test_offload_trainer_gives_the_losses_of_plain_trainer(tmp_path, stage):
     assert os.listdir(tmp_path / "nvme") == []
 
 
+def test_train_called_again_starts_the_schedule_over_as_plain_trainers_does(tmp_path):
+    """Each train() makes a new schedule, counted from there (the engine's applied steps went on): it
+    started at the first call's end, and so trained at rate 0."""
+    plain = run.train(str(tmp_path / "plain"), None)
+    trainer = run.train(str(tmp_path / "offload"), 2, nvme=str(tmp_path / "nvme"))
+    for again in (plain, trainer):
+        torch.manual_seed(1)  # the same dropout: the first calls left torch's generator in other states
+        again.train()
+    assert run.logged(trainer, "learning_rate") == run.logged(plain, "learning_rate")
+    assert run.logged(plain, "learning_rate")[run.WARMUP] == run.LR
+    assert _relative(run.logged(plain, "loss"), run.logged(trainer, "loss")) < TOLERANCE
+    trainer.engine.close()
+
+
+def test_a_trainer_that_fails_to_start_gives_the_model_back_for_another_try(tmp_path):
+    """Trainer.__init__ raising after the engine partitioned the model (a
+    stage 3 one) closes it: the model is whole again, as the plain Trainer
+    leaves it, and a mended call trains it."""
+    model = run.tiny_gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = run.arguments(str(tmp_path / "out"))
+    wrong = dataclasses.replace(args, eval_strategy="steps")  # with no eval_dataset
+    with pytest.raises(ValueError, match="eval_dataset"):
+        OffloadTrainer(model=model, args=wrong, train_dataset=run.Tokens(), offload_config=run.offload_config(3),
+                       nvme_path=str(tmp_path))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=run.Tokens(), offload_config=run.offload_config(3),
+                             nvme_path=str(tmp_path))
+    assert trainer.engine.state_dict().keys() == before.keys()
+    trainer.engine.close()
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["gpt2", "lora"])
 def test_label_smoothing_shifts_a_causal_lms_labels_as_plain_trainer_does(tmp_path, lora):
     """The Trainer shifts the labels for label smoothing by the class name of

@@ -124,14 +124,20 @@ def _while_open(method):
 def _every_rank(method):
     """A call every rank must make (it gathers or agrees): one made under ``if
     rank == 0`` waits in its first collective for comm_timeout_s, and the
-    error it ends in says so by name, since "another rank died" would mislead."""
+    error it ends in says so, naming the call the user made (the outermost:
+    save_16bit_model calls state_dict), since "another rank died" would mislead."""
     @functools.wraps(method)
     def collective(self, *args, **kwargs):
+        if getattr(self, "_in_collective_call", False):
+            return method(self, *args, **kwargs)
+        self._in_collective_call = True
         try:
             return method(self, *args, **kwargs)
         except CommError as exc:
             raise CommError(f"{exc}; engine.{method.__name__} is a collective: if only some ranks called it (say "
                             "under `if rank == 0`), call it on every rank") from exc
+        finally:
+            self._in_collective_call = False
     return collective
 
 
@@ -960,7 +966,6 @@ class Engine:
     # -- the end -------------------------------------------------------------------
 
     @_holding_sigint("close")
-    @_every_rank
     def close(self, restore_model: bool = True) -> None:
         """Finish pending work, give the model back, remove hooks and swap files
         (also after a failure). ``restore_model``: the model's parameters and

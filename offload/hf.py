@@ -50,6 +50,7 @@ the learning rate, and, once ``train()`` knows the Trainer's step count n,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -278,6 +279,10 @@ class AppliedStepsSchedule(torch.optim.lr_scheduler.LRScheduler):
         checkpoints are loaded with ``weights_only``)."""
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "rates", "engine")}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A schedule saved before it kept ``start`` was made by a first train() call: it counted from 0."""
+        super().load_state_dict({"start": 0, **state_dict})
+
 
 class _EngineModule(torch.nn.Module):
     """The model as the Trainer's loop calls it: through the engine, so stage 3
@@ -344,7 +349,8 @@ class OffloadTrainer(transformers.Trainer):
         config = Config.load({k: v for k, v in resolved.items() if k != "scheduler"}, nvme_path)  # the Trainer schedules
         # A model built under offload.init gets its values from its own initialiser
         # (Hugging Face's _init_weights also sets buffers such as rotary frequencies).
-        init_fn = getattr(model, "_init_weights", None) if is_meta(model) else None
+        on_meta = is_meta(model)
+        init_fn = getattr(model, "_init_weights", None) if on_meta else None
         # As plain Trainer's optimizer: biases and norm weights take no weight decay. Its hook
         # runs before Trainer.__init__ (the engine comes first), so what an override reads is set.
         self.args, self.model = args, model
@@ -353,16 +359,19 @@ class OffloadTrainer(transformers.Trainer):
         groups = [{"params": [p for n, p in trained if n in decayed]},
                   {"params": [p for n, p in trained if n not in decayed], "weight_decay": 0.0}]
         self.engine = offload.initialize(model, config, init_fn=init_fn, param_groups=groups)
-        if args.torch_compile:  # the Trainer compiles in Accelerate's prepare, which the engine takes the place of
-            model.compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
-        self._engine_module = _EngineModule(self.engine)
-        optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
         try:
+            if args.torch_compile:  # the Trainer compiles in Accelerate's prepare, which the engine takes the place of
+                model.compile(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+            self._engine_module = _EngineModule(self.engine)
+            optimizer = EngineOptimizer(self.engine, [p for p in model.parameters() if p.requires_grad])
             super().__init__(model, args, optimizers=(optimizer, None), **kwargs)
         except BaseException:
             # The model comes back usable, so the call can be mended and made again: left to the engine (which
-            # the caller never got), a stage 3 model would stay partitioned.
-            self.engine.close()
+            # the caller never got), a stage 3 model would stay partitioned. As offload.initialize's own
+            # failure: one built on meta may be too big to hold whole, and the user never had it. The error
+            # to see is the Trainer's, not one of the close (a gather another rank never joins).
+            with contextlib.suppress(Exception):
+                self.engine.close(restore_model=not on_meta)
             raise
 
     # -- the loop's touch points (Note [Trainer wiring]) ------------------------------

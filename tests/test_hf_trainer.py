@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -22,14 +23,14 @@ import torch
 import offload
 from offload.peft_models import checkpoint_names
 from offload.config import Config
-from offload.errors import CheckpointError, ConfigError, UsageError
+from offload.errors import CheckpointError, CommError, ConfigError, UsageError
 from offload.optim.group_runs import GroupHyper
 from offload.safetensors_file import write_safetensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install -e .[hf])")
 
-from offload.hf import OffloadTrainer, resolve_config  # noqa: E402
+from offload.hf import AppliedStepsSchedule, OffloadTrainer, resolve_config  # noqa: E402
 
 from . import hf_trainer_main as run  # noqa: E402
 from .kill_points import Killed, KillPoints  # noqa: E402
@@ -89,6 +90,29 @@ def test_a_trainer_that_fails_to_start_gives_the_model_back_for_another_try(tmp_
                              nvme_path=str(tmp_path))
     assert trainer.engine.state_dict().keys() == before.keys()
     trainer.engine.close()
+
+
+def test_the_trainers_own_error_is_raised_when_closing_the_engine_fails_too(tmp_path, monkeypatch):
+    def cannot_gather(engine):
+        raise CommError("rank 0: all_gather failed")
+
+    monkeypatch.setattr(offload.engine.Engine, "_restore_model", cannot_gather)
+    args = dataclasses.replace(run.arguments(str(tmp_path / "out")), eval_strategy="steps")  # with no eval_dataset
+    with pytest.raises(ValueError, match="eval_dataset"):
+        OffloadTrainer(model=run.tiny_gpt2(), args=args, train_dataset=run.Tokens(),
+                       offload_config=run.offload_config(2), nvme_path=str(tmp_path))
+
+
+def test_a_schedule_saved_before_it_kept_its_start_counts_from_zero():
+    """A scheduler.pt an earlier version wrote, loaded by a trainer whose
+    first train() call has run (resume_from_checkpoint on the second)."""
+    engine = types.SimpleNamespace(applied_steps=40)
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = AppliedStepsSchedule(adamw, lambda n: [float(n)], engine)
+    saved = {k: v for k, v in schedule.state_dict().items() if k != "start"}
+    engine.applied_steps = 3  # the checkpoint's, restored
+    schedule.load_state_dict(saved)
+    assert schedule.get_lr() == [3.0]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["gpt2", "lora"])

@@ -424,7 +424,8 @@ def test_initialize_names_what_it_takes_when_given_no_module():
 def test_a_missing_swap_directory_is_named_by_its_key(tmp_path):
     missing = str(tmp_path / "absent")
     with pytest.raises(UsageError, match=r"zero_optimization.offload_param.nvme_path '.*absent' is not an existing "
-                                         r"directory; create it, or point it at one \(offload.initialize"):
+                                         r"directory; create it, or point it at one \(nvme_path=DIR, given to "
+                                         r"offload.initialize or OffloadTrainer, replaces"):
         offload.initialize(make_model(), config(3, "cpu", 1, missing, param_device="nvme"))
     given = config(3, "cpu", 1, str(tmp_path), param_device="nvme")
     with pytest.raises(UsageError, match=r"^nvme_path='.*absent' is not an existing directory; create it, or pass one "

@@ -77,7 +77,7 @@ def test_train_called_again_starts_the_schedule_over_as_plain_trainers_does(tmp_
 def test_a_trainer_that_fails_to_start_gives_the_model_back_for_another_try(tmp_path):
     """Trainer.__init__ raising after the engine partitioned the model (a
     stage 3 one) closes it: the model is whole again, as the plain Trainer
-    leaves it, and a mended call trains it."""
+    leaves it, and a mended call takes it."""
     model = run.tiny_gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = run.arguments(str(tmp_path / "out"))
@@ -93,6 +93,7 @@ def test_a_trainer_that_fails_to_start_gives_the_model_back_for_another_try(tmp_
 
 
 def test_the_trainers_own_error_is_raised_when_closing_the_engine_fails_too(tmp_path, monkeypatch):
+    """A close that cannot gather (another rank never joins) does not hide it."""
     def cannot_gather(engine):
         raise CommError("rank 0: all_gather failed")
 

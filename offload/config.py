@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from offload.errors import ConfigError, outside_offload
-from offload.schedule import SCHEDULES
+from offload.schedule import SCHEDULES, schedule_of
 from offload.store.aio import AioSettings
 
 
@@ -601,6 +601,13 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         rules.append((f"fp16.{key}", tuned and (not c.fp16.enabled or dynamic_only),
                       "fp16 is not enabled" if not c.fp16.enabled else "the loss scale is static (fp16.loss_scale > 0)"))
     schedule = c.scheduler.type
+    if schedule in ("WarmupLR", "WarmupDecayLR"):
+        high = c.scheduler.params.warmup_max_lr
+        given_high = "unset: 0.001, DeepSpeed's default for it" if high is None else f"{high:g}"
+        # Hugging Face's stock configs fill both with the same rate: only a rate that is not the peak goes unused.
+        rules.append(("optimizer.params.lr", schedule_of(c).peak != c.optimizer.params.lr,
+                      f"{schedule} rises to scheduler.params.warmup_max_lr ({given_high}) and never reads it; set "
+                      "warmup_max_lr to the rate you want"))
     for f in dataclasses.fields(SchedulerParams):
         rules.append((f"scheduler.params.{f.name}", f.name not in SCHEDULES.get(schedule, ()),
                       "no scheduler.type is set" if schedule is None else f"{schedule} does not read it"))

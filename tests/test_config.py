@@ -361,6 +361,10 @@ def test_deepspeeds_lowercase_optimizer_names_are_accepted():
      "zero_optimization.offload_param.pin_memory (only stage 3 weights in cpu or nvme"),
     ({"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}}},
      "zero_optimization.offload_optimizer.pin_memory (the optimizer is on the accelerator"),
+    ({"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 2000}}},
+     "optimizer.params.lr (WarmupDecayLR rises to scheduler.params.warmup_max_lr (unset: 0.001, DeepSpeed's default"),
+    ({"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.003}}},
+     "optimizer.params.lr (WarmupLR rises to scheduler.params.warmup_max_lr (0.003) and never reads it"),
 ])
 def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
     with pytest.warns(UserWarning) as caught:
@@ -379,6 +383,11 @@ def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
     {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8, "overlap_step": True}}},
     {"communication_data_type": "fp32"}, {"communication_data_type": "BF16", "bf16": {"enabled": True}},  # as here
+    # The schedule reads the rate (WarmupLR's default peak), or peaks where it says (Hugging Face fills both alike).
+    {"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupLR"}},
+    {"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 2000}}},
+    {"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.1,
+                                                                                             "total_num_steps": 2000}}},
 ])
 def test_settings_that_act_are_not_warned_about(data):
     with warnings.catch_warnings():

@@ -140,8 +140,12 @@ class FP16Config:
     enabled: bool = _f(False, "compute in float16 (fp32 master weights) with loss scaling")
     loss_scale: float = _f(0.0, "static loss scale; 0 means dynamic", ge=0)
     initial_scale_power: int = _f(16, "dynamic scaling starts at 2**this", ge=0, le=64)
-    loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", ge=1)
-    hysteresis: int = _f(2, "overflows absorbed before the scale starts halving", ge=1)
+    loss_scale_window: int = _f(1000, "the scale doubles at the clean step this many after the first clean one since "
+                                "the last overflow (or the start), and every this many clean steps after (DeepSpeed's "
+                                "count)", ge=1)
+    hysteresis: int = _f(2, "the scale halves at this many overflows since the budget was last refilled (the ones "
+                         "before are absorbed), then at each overflow until it is refilled (by a doubling, or under "
+                         "consecutive_hysteresis by any clean step)", ge=1)
     consecutive_hysteresis: bool = _f(False, "refill the hysteresis budget after every clean step, not only when the scale grows")
     min_loss_scale: float = _f(1.0, "the scale never goes below this; an overflow there stops training", gt=0)
 
@@ -559,6 +563,11 @@ def idle_bucket_sizes(stage: int, weights_device: str) -> dict[str, str]:
     return idle
 
 
+BF16_GRADIENT_HALF = "bf16.bf16_master_weights_and_grads"
+BF16_GRADIENT_HALF_WHY = ("its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master "
+                          "weights are bf16")
+
+
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
     """(key, why) for each key the user set that does nothing in this setup."""
     z, oo, op = c.zero_optimization, c.zero_optimization.offload_optimizer, c.zero_optimization.offload_param
@@ -584,9 +593,8 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         ("zero_optimization.offload_optimizer.pipeline_read", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.pipeline_write", oo.device != "nvme", "it shapes the nvme pipeline"),
         ("zero_optimization.offload_optimizer.delayed_update_warmup", not oo.delayed_update, "delayed_update is off"),
-        # The accumulation as given: derived, it needs the world size, unknown while loading (Note [batch sizes]).
-        ("bf16.bf16_master_weights_and_grads", z.stage > 1 and (c.gradient_accumulation_steps or 1) > 1,
-         "its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master weights are bf16"),
+        # The accumulation as given; the engine names one derived from train_batch_size (it needs the world size).
+        (BF16_GRADIENT_HALF, z.stage > 1 and (c.gradient_accumulation_steps or 1) > 1, BF16_GRADIENT_HALF_WHY),
         ("zero_optimization.offload_optimizer.overlap_step", oo.overlap_step and (oo.device == "none" or z.stage == 1),
          "it overlaps a CPU step with backward: it needs device cpu or nvme, and stage 2 or 3 (stage 1 reduces "
          "after backward)"),

@@ -54,7 +54,7 @@ import torch
 
 from offload import checkpoint
 from offload.checkpoint import TrainingState
-from offload.config import Config
+from offload.config import BF16_GRADIENT_HALF, BF16_GRADIENT_HALF_WHY, Config
 from offload.destinations import directory_problem, file_problem
 from offload.errors import CommError, UsageError, in_brief, outside_offload
 from offload.hf_key_names import saved_layout
@@ -223,6 +223,12 @@ class Engine:
         self.dtype = DTYPES[config.compute_dtype_name]
         if self.rank == 0:
             _warn_if_widened(model, self.dtype)
+            # Named at load where the accumulation is given; derived, it needed the world size.
+            if (config.bf16.bf16_master_weights_and_grads and config.gradient_accumulation_steps is None
+                    and gradient_dtype(self.dtype, zero.stage, self.accumulation) == torch.float32):
+                warnings.warn(f"offload: these settings have no effect here: {BF16_GRADIENT_HALF} "
+                              f"({BF16_GRADIENT_HALF_WHY}; the accumulation, {self.accumulation}, follows from "
+                              "train_batch_size)", UserWarning, stacklevel=outside_offload())
             if offload.device != "none" and (few := one_thread_from_torchrun()):
                 warnings.warn(f"offload: {few}", UserWarning, stacklevel=outside_offload())
         self._original_dtypes = {name: v.dtype for name, v in _parameters_and_buffers(model)}

@@ -10,9 +10,10 @@ Dynamic (``fp16.loss_scale: 0``), as DeepSpeed's ZeRO optimizers do it
     otherwise the budget drops by one and the scale stays. An overflow at the
     minimum scale stops training with an error, as in DeepSpeed;
   - a clean step refills the budget if ``consecutive_hysteresis``; and when
-    it is the ``loss_scale_window``-th clean step after the last overflow (or
-    after the start), and every window after, the scale doubles (refilling
-    the budget if not ``consecutive_hysteresis``).
+    ``loss_scale_window`` clean steps have followed the first clean step
+    after the last overflow (or the start), so at the window + 1-th, and
+    every window after, the scale doubles (refilling the budget if not
+    ``consecutive_hysteresis``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from offload.cli import main
 from offload.optim.moment_codec import BlockCodes, blocks, decode_moments, encode_moments
 from offload.store.shard_file import HEADER_BYTES
 
-from .harness import (batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
+from .harness import (BATCH, batch, config, finish_rank, init_gloo, make_model, max_difference, spawn_ranks, train_engine,
                       train_reference)
 
 pytestmark = pytest.mark.skipif(not _native.status().available, reason="native library not built")
@@ -102,6 +102,28 @@ def test_deepspeeds_key_means_the_same():
     with train_engine(make_model(), 3, 1, cfg) as a, train_engine(make_model(), 3, 1, ours) as b:
         sa, sb = a.state_dict(), b.state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("batch_keys, accumulation", [
+    ({"gradient_accumulation_steps": 2}, 2),
+    ({"train_batch_size": 2 * BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": None}, 2),
+    ({"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": None}, 1),
+], ids=["accumulation-given", "accumulation-derived", "no-accumulation"])
+def test_deepspeeds_master_key_names_its_gradient_half_where_accumulation_keeps_the_gradient_fp32(batch_keys,
+                                                                                                  accumulation):
+    cfg = config(2, "cpu", 1, bf16={"enabled": True, "bf16_master_weights_and_grads": True})
+    cfg.update(batch_keys)
+    cfg = {key: value for key, value in cfg.items() if value is not None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = offload.initialize(make_model(), cfg)
+    with engine:
+        said = [str(w.message) for w in caught if "bf16_master_weights_and_grads" in str(w.message)]
+        assert engine.accumulation == accumulation
+        assert engine.gradient.dtype == (torch.float32 if accumulation > 1 else torch.bfloat16)
+        assert len(said) == (accumulation > 1), said
+        assert all("bf16.bf16_master_weights_and_grads (its gradient half: the gradient accumulated over "
+                   "micro-batches stays fp32 here" in line for line in said), said
 
 
 def _optimizer_bytes(tmp_path, stage: int, device: str, state_dtype: str, master_dtype: str,

@@ -129,7 +129,7 @@ class OptimizerConfig:
 class BF16Config:
     enabled: bool = _f(False, "compute in bfloat16 (fp32 master weights); no loss scaling")
     bf16_optimizer_states: bool = _f(False, "DeepSpeed's name for zero_optimization.offload_optimizer.state_dtype "
-                                     "bfloat16: Adam's moments stored in bf16")
+                                     "bfloat16 (Adam's moments stored in bf16), under bf16.enabled")
     bf16_master_weights_and_grads: bool = _f(False, "DeepSpeed's name for zero_optimization.offload_optimizer."
                                              "master_dtype bfloat16 (the owned gradient is bf16 without accumulation, "
                                              "fp32 with it)")
@@ -320,6 +320,10 @@ class Config:
             if self.zero_optimization.sub_group_size > 2**32:
                 raise ConfigError(f"{where} takes a zero_optimization.sub_group_size of at most 2**32 (the rounding "
                                   "noise is keyed by a 32-bit index)")
+        if self.bf16.bf16_optimizer_states and not self.bf16.enabled:
+            raise ConfigError("bf16.bf16_optimizer_states is true but bf16.enabled is not: a section switched off "
+                              "sets nothing; for bf16 moments without bf16 compute, set zero_optimization."
+                              "offload_optimizer.state_dtype to bfloat16 instead")
         if self.bf16.bf16_optimizer_states and offload.state_dtype == "float32":
             raise ConfigError("bf16.bf16_optimizer_states is true but zero_optimization.offload_optimizer.state_dtype "
                               "is float32; keep one of them")

@@ -169,6 +169,10 @@ def test_defaults_need_no_warning():
         ({"checkpoint": {"tag_validation": "Fail"}}, 'checkpoint is {"tag_validation": "Fail"}: DeepSpeed\'s checkpoint'),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast is true: the compute dtype is the config's"),
         ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "bfloat16 and bf16 are both given"),
+        ({"bf16": {"enabled": False, "bf16_optimizer_states": True}, "zero_optimization": {"offload_optimizer": {
+            "device": "cpu"}}}, "bf16.bf16_optimizer_states is true but bf16.enabled is not: a section switched off "
+                                "sets nothing; for bf16 moments without bf16 compute, set zero_optimization."
+                                "offload_optimizer.state_dtype to bfloat16 instead"),
         ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3}}},
          "scheduler.type must be one of ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'], got 'OneCycle'"),
         ({"scheduler": {"params": {"cycle_min_lr": 1e-5}, "type": "OneCycle"}},  # params first: the type still first

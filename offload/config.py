@@ -196,7 +196,10 @@ class ZeroConfig:
     stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3),
                     otherwise={0: "DeepSpeed's stage 0 (nothing partitioned) is not implemented: stage 1 computes "
                                   "the same update, and at world size 1 keeps the same state"})
-    sub_group_size: int = _f(100_000_000, "elements the optimizer updates (and swaps) as one unit", ge=1)
+    sub_group_size: int = _f(100_000_000, "elements the CPU optimizer (device cpu or nvme) updates, and "
+                             "swaps, as one unit; on the accelerator (none) torch's AdamW steps the whole "
+                             "shard at once, and it sizes only the pieces gradients, new weights and "
+                             "checkpoint chunks move in", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
     overlap_comm: bool = _f(False, "true is warned about: collectives run synchronously in this version")
     contiguous_gradients: bool = _f(True, "gradients are always copied into contiguous buckets; false is warned about")

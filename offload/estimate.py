@@ -373,12 +373,18 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
                     per_node * read, per_node * written, d + g + o)
 
 
-def verdicts(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None) -> dict[str, bool | None]:
+def verdicts(e: Estimate, gpu_mem: float | None, cpu_mem: float | None, nvme_free: float | None,
+             host_accelerator: bool = False) -> dict[str, bool | None]:
     """Per tier, whether ``e`` fits the size given: per-rank accelerator bytes
     within gpu_mem, per-node host and disk bytes within cpu_mem and nvme_free;
-    None where the tier is used and no size was given to judge it by."""
+    None where the tier is used and no size was given to judge it by. With
+    ``host_accelerator`` (the CPU computes) the accelerator's bytes are host
+    memory: every rank's count against cpu_mem with the host's, and none
+    against gpu_mem."""
     limits = {"device": gpu_mem, "host": cpu_mem, "nvme": nvme_free}
     used = {"device": e.rank_total("device"), "host": e.node["host"], "nvme": e.node["nvme"]}
+    if host_accelerator:
+        used.update(device=0.0, host=e.node["device"] + e.node["host"])
     return {t: (None if used[t] > 0 else True) if limits[t] is None else used[t] <= limits[t] for t in TIERS}
 
 

@@ -49,18 +49,36 @@ def test_the_fits_column_judges_only_the_tiers_it_was_given_a_size_for(capsys):
     """With the host's size alone, a setup that fits it is not "yes": the GPU
     (and the disk, where used) is unknown, which the column said nothing of."""
     assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "512GB"]) == 0
-    rows = {line[:36].strip(): line[71:89].strip() for line in capsys.readouterr().out.splitlines()
+    rows = {line[:38].strip(): line[73:91].strip() for line in capsys.readouterr().out.splitlines()
             if line.startswith("stage 2")}
     assert rows == {"stage 2, optimizer none": "GPU unknown", "stage 2, optimizer cpu": "GPU unknown",
                     "stage 2, optimizer nvme": "GPU,NVMe unknown"}
     assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "64GB", "--gpu-mem", "80GB",
                  "--nvme-free", "1TB"]) == 0
-    rows = [line[71:89].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
+    rows = [line[73:91].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("stage 2")]
     assert rows == ["no: GPU", "no: CPU", "yes"]
     assert main(["estimate", "--params", "7B", "--stage", "2", "--cpu-mem", "512GB", "--json"]) == 0
     fits = [setup["fits"] for setup in json.loads(capsys.readouterr().out)["setups"]]
     assert fits == [{"device": None, "host": True, "nvme": True}, {"device": None, "host": True, "nvme": True},
                     {"device": None, "host": True, "nvme": None}]
+
+
+def test_on_the_cpu_every_ranks_accelerator_bytes_count_against_the_host_memory(capsys):
+    """--accelerator cpu: what the accelerator holds is RAM beside the host
+    tier's, so --cpu-mem judges both (a GPU size is refused): stage 2 with the
+    optimizer on the accelerator holds 12.2 GB on each of 2 ranks and nothing
+    in the host tier, which 22 GB of RAM does not hold; on GPUs the host fits it."""
+    args = ["estimate", "--params", "1B", "--gpus", "2", "--stage", "2", "--json"]
+    assert main(args + ["--accelerator", "cpu", "--cpu-mem", "22GB"]) == 0
+    setups = json.loads(capsys.readouterr().out)["setups"]
+    for setup in setups:
+        together = setup["node"]["device"] + setup["node"]["host"]
+        assert setup["fits"] == {"device": True, "host": together <= 22e9, "nvme": True if setup["node"]["nvme"] == 0 else None}
+    assert [s["fits"]["host"] for s in setups] == [False, True, True]
+    assert main(args + ["--cpu-mem", "22GB"]) == 0
+    assert json.loads(capsys.readouterr().out)["setups"][0]["fits"] == {"device": None, "host": True, "nvme": True}
+    assert main(args + ["--accelerator", "cpu", "--gpu-mem", "80GB"]) == 2
+    assert "--gpu-mem sizes a GPU, but --accelerator cpu computes on the CPU" in capsys.readouterr().err
 
 
 def test_estimate_cli_counts_a_loras_trained_parameters(capsys):

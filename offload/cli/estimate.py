@@ -114,13 +114,17 @@ def load_config(path: str | None) -> Config:
 def run(args: argparse.Namespace) -> int:
     if args.gpus % args.nodes:
         raise UsageError(f"--gpus {args.gpus} is not a multiple of --nodes {args.nodes}; give the same GPUs per node")
+    on_cpu = args.accelerator == "cpu"
+    if on_cpu and args.gpu_mem is not None:
+        raise UsageError("--gpu-mem sizes a GPU, but --accelerator cpu computes on the CPU, whose bytes are host "
+                         "memory: give the node's memory as --cpu-mem alone")
     shape, config = model_shape(args), load_config(args.config)
     state_dtype, master_dtype = args.state_dtype or config.state_dtype, args.master_dtype or config.master_dtype
     rows = []
     for setup in all_setups(args.stage):
         e = estimate(shape, setup, config, args.gpus, args.nodes, state_dtype, master_dtype,
-                     host_accelerator=args.accelerator == "cpu")
-        rows.append((e, verdicts(e, args.gpu_mem, args.cpu_mem, args.nvme_free)))
+                     host_accelerator=on_cpu)
+        rows.append((e, verdicts(e, args.gpu_mem, args.cpu_mem, args.nvme_free, host_accelerator=on_cpu)))
     paper = zero_model_states(shape.params, args.gpus, trained=shape.trained)
     if args.json:
         print(json.dumps({"params": shape.params, "trainable": shape.trained, "shape": shape.source, "gpus": args.gpus,
@@ -158,7 +162,8 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
                          for master, moments in FORMATS)
              + f" (a bf16 master counts only beside stage 3 weights on nvme or on the GPU: elsewhere it is the "
              f"weights' own host copy); below: {state_format}", ""]
-    header = f"{'setup':36}{'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
+    on_cpu = args.accelerator == "cpu"
+    header = f"{'setup':38}{'accel/rank' if on_cpu else 'GPU/rank':>11}{'CPU/node':>11}{'NVMe/node':>11}  {'fits':18}{'PCIe/step':>11}{'disk r/step':>13}{'disk w/step':>13}"
     lines += [header, "-" * len(header)]
     for e, verdict in rows:
         short = [TIER_NAMES[t] for t in TIERS if verdict[t] is False]
@@ -166,9 +171,11 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
         fits = "no: " + ",".join(short) if short else f"{','.join(unknown)} unknown" if unknown else "yes"
         if all(limit is None for limit in (args.gpu_mem, args.cpu_mem, args.nvme_free)):
             fits = "-"
-        lines.append(f"{e.setup.name:36}{gb(e.rank_total('device')):>11}{gb(e.node['host']):>11}{gb(e.node['nvme']):>11}  "
+        lines.append(f"{e.setup.name:38}{gb(e.rank_total('device')):>11}{gb(e.node['host']):>11}{gb(e.node['nvme']):>11}  "
                      f"{fits:18}{gb(e.pcie_bytes_per_step):>11}{gb(e.disk_read_per_step):>13}{gb(e.disk_written_per_step):>13}")
-    lines += ["", "GB = 10^9 bytes. GPU/rank includes this engine's buffers (gradient buckets, gathered weights); "
-              "activations are not included. PCIe is per rank, disk per node. fits: against the sizes given "
-              "(--gpu-mem, --cpu-mem, --nvme-free); 'unknown' names a tier used without one."]
+    accelerator = ("accel/rank (the accelerator's share, here host memory, which fits counts for every rank with "
+                   "CPU/node against --cpu-mem)" if on_cpu else "GPU/rank")
+    lines += ["", f"GB = 10^9 bytes. {accelerator} includes this engine's buffers (gradient buckets, gathered "
+              "weights); activations are not included. PCIe is per rank, disk per node. fits: against the sizes "
+              "given (--gpu-mem, --cpu-mem, --nvme-free); 'unknown' names a tier used without one."]
     return "\n".join(lines)

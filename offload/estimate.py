@@ -56,7 +56,9 @@ accelerator):
                  sub-groups' new weights in a 2-byte d (d*s each, host), and
                  on cpu their state copies (o*s each), on nvme as many more
                  pool buffers
-  weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count)
+  weight pool    stage 3 weights on nvme: pool(d * largest part, buffer_count),
+                 or where the sizes are known and less, a pool for every part
+                 on disk once (the step's write-backs may fill it)
 Traffic per step and rank: the owned gradient leaves the accelerator once per
 micro-batch (stage 1: once per step) in the compute dtype; new weights go up
 once; stage 3 weights in cpu/nvme go up twice per micro-batch (forward and
@@ -133,6 +135,19 @@ class ModelShape:
     def _parts(self, gpus: int) -> list[int]:
         unit = gpus * ALIGN
         return [-(-n // unit) * unit // gpus for n in self.sizes]
+
+    def weight_pool(self, element_bytes: int, gpus: int, buffers: int, max_in_cpu: int) -> int:
+        """Stage 3's weight pool at its fullest: its cap, ``buffers`` of the
+        largest part, or where the sizes are known and less, a buffer for
+        each part on disk (those beyond max_in_cpu): the store gives a part
+        one buffer at a time, and a buffer given back serves the next part of
+        its size, so no size is held more often than it has parts. Reads stay
+        within ``buffers``, but the step's write-backs may fill the cap."""
+        cap = pool_bytes([element_bytes * self.largest_part(gpus)], buffers)
+        if not self._exact():
+            return cap
+        parts = self._parts(gpus)
+        return min(cap, pool_bytes([element_bytes * part for part in parts[parts_in_cpu(parts, max_in_cpu):]]))
 
     def largest_part(self, gpus: int) -> int:
         """Elements of the largest parameter's part on each of ``gpus`` ranks, padded as the engine pads it."""
@@ -314,7 +329,8 @@ def estimate(shape: ModelShape, setup: Setup, config: Config, gpus: int, nodes: 
                 tiers["host"]["weights (partition)"] = d * in_cpu
             if weights_on_disk:
                 tiers["nvme"]["weights (partition)"] = d * weights_on_disk
-                tiers["host"]["weight pool"] = pool_bytes([d * part], zero.offload_param.buffer_count)
+                tiers["host"]["weight pool"] = shape.weight_pool(d, gpus, zero.offload_param.buffer_count,
+                                                                  zero.offload_param.max_in_cpu)
         else:
             tiers["device" if setup.weights == "none" else "host"]["weights (partition)"] = d * n
         persistent = shape.persistent(zero.stage3_param_persistence_threshold)

@@ -18,7 +18,8 @@ import offload
 from offload import _native
 from offload.cli import main, plan
 from offload.estimate import ModelShape, Setup, all_setups, estimate, zero_model_states
-from offload.models.gpt import GPT, SIZES
+from offload.models.gpt import GPT, SIZES, GPTConfig
+from offload.store import pool_bytes
 
 from .zero.harness import finish_rank, init_gloo, spawn_ranks
 
@@ -188,6 +189,19 @@ def test_the_estimate_counts_only_trained_parameters_for_gradients_and_optimizer
 
 
 @pytest.mark.skipif(not _native.status().available, reason="native library not built")
+def test_the_weight_pool_holds_each_part_once_where_its_cap_is_more(tmp_path):
+    """A vocabulary that dwarfs the blocks (a 1M-element embedding, 0.1M in
+    the blocks): buffer_count of the largest part, the pool's cap, is nearly
+    four times what the pool ever holds, every part on disk once; the
+    estimate counts that, within 10% of the host's peak."""
+    big_vocab = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=16384)
+    shape = ModelShape.from_config(big_vocab)
+    assert 3 * shape.weight_pool(2, 1, 5, 0) < pool_bytes([2 * shape.largest_part(1)], 5)
+    _check_estimate(tmp_path, Setup(3, "nvme", "nvme"), "float32", "float32", overlap_step=False, model=big_vocab,
+                    max_in_cpu=0)
+
+
+@pytest.mark.skipif(not _native.status().available, reason="native library not built")
 @pytest.mark.parametrize("weights", ["cpu", "nvme"])
 def test_the_estimate_counts_the_weights_uploaded_ahead(tmp_path, weights):
     """Stage 3 weights in host memory (nvme's within max_in_cpu) go up to the
@@ -216,11 +230,13 @@ def _ahead(bucket: int) -> dict:
 
 
 def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, frozen=None, limits=None,
-                    world=1) -> int:
+                    world=1, model=SIZES["small"], max_in_cpu=None) -> int:
     """The estimate against the engine's own report (each rank's, at
     ``world`` gloo ranks), after two steps of the small model; ``frozen``: the
     names of parameters that do not train; ``limits``: stage 3's, instead of a
-    tight max_live. Returns the accelerator's measured peak."""
+    tight max_live; ``model``: the bundled GPT's config; ``max_in_cpu``:
+    offload_param's, instead of the default. Returns the accelerator's
+    measured peak."""
     zero = {"stage": setup.stage, "sub_group_size": 300_000, "reduce_bucket_size": 400_000,
             **(limits or {"stage3_max_live_parameters": 200_000}),
             "offload_optimizer": {"device": setup.optimizer, **({"nvme_path": str(tmp_path)} if setup.optimizer == "nvme" else {}),
@@ -229,14 +245,15 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
                                   **({"state_dtype": state_dtype, "master_dtype": master_dtype}
                                      if setup.optimizer != "none" else {})}}
     if setup.stage == 3:
-        zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {})}
+        zero["offload_param"] = {"device": setup.weights, **({"nvme_path": str(tmp_path)} if setup.weights == "nvme" else {}),
+                                 **({} if max_in_cpu is None else {"max_in_cpu": max_in_cpu})}
     raw = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero}
     if world == 1:
-        measured = [_measure(raw, frozen)]
+        measured = [_measure(raw, frozen, model)]
     else:
         assert frozen is None, "a test's lambda does not reach spawned ranks"
-        measured = spawn_ranks(functools.partial(_measure_rank, raw=raw, world=world), tmp_path, world)
-    shape = ModelShape.from_config(SIZES["small"])
+        measured = spawn_ranks(functools.partial(_measure_rank, raw=raw, world=world, model=model), tmp_path, world)
+    shape = ModelShape.from_config(model)
     for m in measured:
         trainable = m["trainable"]
         e = estimate(shape if trainable == shape.params else shape.with_trainable(trainable), setup,
@@ -248,10 +265,9 @@ def _check_estimate(tmp_path, setup, state_dtype, master_dtype, overlap_step, fr
     return max(m["peak"]["device"] for m in measured)
 
 
-def _measure(raw: dict, frozen) -> dict:
-    """Two steps of the small model: the engine's peak bytes by tier, its disk
+def _measure(raw: dict, frozen, c: GPTConfig) -> dict:
+    """Two steps of the GPT ``c``: the engine's peak bytes by tier, its disk
     traffic in the second, and how many parameters train."""
-    c = SIZES["small"]
     torch.manual_seed(0)
     model = GPT(c)
     for name, p in model.named_parameters():
@@ -271,9 +287,9 @@ def _measure(raw: dict, frozen) -> dict:
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
-def _measure_rank(rank: int, port: int, out_dir: str, raw: dict, world: int) -> None:
+def _measure_rank(rank: int, port: int, out_dir: str, raw: dict, world: int, model: GPTConfig) -> None:
     init_gloo(rank, world, port)
-    finish_rank(out_dir, rank, _measure(raw, None))
+    finish_rank(out_dir, rank, _measure(raw, None, model))
 
 
 def test_plan_climbs_the_ladder_as_memory_shrinks():

@@ -15,8 +15,8 @@ host memory, whatever the stage or tier, and a model built under
 A tied weight (one parameter under several keys) is read from whichever of
 its keys the checkpoint has, as ``from_pretrained`` does. A trainable
 parameter under none of its keys is an error naming it, unless
-``allow_missing`` says the model's own initial values stand (a new head on
-a pretrained body); so is a frozen one (a LoRA's base left as initialised
+``allow_missing`` says its present values stand (a new head on a
+pretrained body keeps its initialisation); so is a frozen one (a LoRA's base left as initialised
 would train the adapter on noise), and a shape that differs always is.
 Buffers the checkpoint has are copied too; those it lacks keep what the
 model's own initialisation gave them. A PEFT model's keys are also looked for
@@ -149,9 +149,10 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
             if not allow_missing:
                 raise UsageError(f"{named} missing from {path}: a parameter needs a value (check the "
                                  "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
-                                 "to keep the model's own initial values for them)")
-            warnings.warn(f"offload.load_weights: {named} not in {path}; they keep the model's own initial values",
-                          UserWarning, stacklevel=outside_offload())
+                                 "to keep their present values)")
+            warnings.warn(f"offload.load_weights: {named} not in {path}; they keep their present values (the "
+                          "model's own initialisation, unless training or an earlier load changed them)", UserWarning,
+                          stacklevel=outside_offload())
         engine.assign_others({key: functools.partial(checkpoint.read, found) for key, found in found_others.items()})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),
                         key=lambda p: p.owned_lo)

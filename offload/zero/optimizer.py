@@ -65,7 +65,8 @@ class StepTimes:
     handover: float = 0.0  # handing new weights to the weights (stage 3: writing them to their tier)
 
 
-TORCH_OPTIMIZER = {"param_groups", "zero_grad", "add_param_group", "state", "defaults", "load_state_dict"}
+TORCH_OPTIMIZER = {"param_groups", "zero_grad", "add_param_group", "state", "defaults", "state_dict", "load_state_dict",
+                   "step"}
 
 
 class ShardOptimizer:
@@ -81,8 +82,8 @@ class ShardOptimizer:
             raise AttributeError(f"engine.optimizer is offload's sharded optimizer, not a torch.optim.Optimizer, so it "
                                  f"has no {name}: engine.get_lr() reads each parameter group's learning rate and "
                                  f"engine.lr sets the rate (or the config's scheduler does); groups are given as "
-                                 f"offload.initialize(model, config, param_groups=...); engine.zero_grad() and "
-                                 f"engine.save_checkpoint/load_checkpoint hold the rest")
+                                 f"offload.initialize(model, config, param_groups=...); engine.step(), "
+                                 f"engine.zero_grad() and engine.save_checkpoint/load_checkpoint hold the rest")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __init__(self, numel: int, config: Config, runs: GroupRuns) -> None:
@@ -124,7 +125,7 @@ class ShardOptimizer:
     # The interface both implement:
     #   write_master(lo, hi, values), finish_master()  the initial master weights, in increasing lo
     #   prefetch()                                     the next step's first reads, during backward
-    #   step(grad, grad_scale, weights, hyper=None)    one Adam step of the whole shard
+    #   step_shard(grad, grad_scale, weights, hyper=None) one Adam step of the whole shard
     #   flush()                                        wait for write-backs; raise their failures
     #   take_weights(lo, hi, values)                   the model's own change (Note [in-place changes between steps])
     #   read_master_ranges(ranges, weights) -> fp32 host copies
@@ -198,7 +199,8 @@ class DeviceOptimizer(ShardOptimizer):
     def prefetch(self) -> None:
         pass
 
-    def step(self, grad: OwnedGradient, grad_scale: float, weights: Weights, hyper: AdamHyper | None = None) -> None:
+    def step_shard(self, grad: OwnedGradient, grad_scale: float, weights: Weights,
+                   hyper: AdamHyper | None = None) -> None:
         self.step_count += 1
         self.times = StepTimes()
         start = time.perf_counter()
@@ -384,8 +386,8 @@ class StoreOptimizer(ShardOptimizer):
             first = range(min(len(self.groups), self.read_ahead)) if groups is None else groups
             self.store.prefetch(self._key(i) for i in first)
 
-    def step(self, grad: OwnedGradient, grad_scale: float, weights: Weights, hyper: AdamHyper | None = None,
-             stepped: dict[int, torch.Tensor] | None = None) -> None:
+    def step_shard(self, grad: OwnedGradient, grad_scale: float, weights: Weights, hyper: AdamHyper | None = None,
+                   stepped: dict[int, torch.Tensor] | None = None) -> None:
         """One Adam step of the whole shard from ``grad`` times ``grad_scale``,
         with ``hyper`` (default: the current ones; a step on another thread is
         given those of the moment it was started). ``stepped``: sub-groups

@@ -274,7 +274,7 @@ class OverlappedStep:
         self._note(rolled_back=bool(self._stepped) and not kept, step=step)
         start = time.perf_counter()
         self.weights.begin_publish()
-        self.optimizer.step(self.gradient, multiplier, self.weights, stepped=kept)
+        self.optimizer.step_shard(self.gradient, multiplier, self.weights, stepped=kept)
         times.optimizer = time.perf_counter() - start
         times.optimizer_detail = dict(vars(self.optimizer.times))
         start = time.perf_counter()

@@ -80,7 +80,7 @@ class ImmediateUpdate(_AfterBackward):
         included); the model runs with the new weights from the next forward on."""
         start = time.perf_counter()
         self.weights.begin_publish()
-        self.optimizer.step(self.gradient, multiplier, self.weights)
+        self.optimizer.step_shard(self.gradient, multiplier, self.weights)
         times.optimizer = time.perf_counter() - start
         times.optimizer_detail = dict(vars(self.optimizer.times))
         start = time.perf_counter()
@@ -123,7 +123,7 @@ class DelayedUpdate(_AfterBackward):
 
         def update() -> float:
             start = time.perf_counter()
-            self.optimizer.step(window, multiplier, self.weights, hyper)
+            self.optimizer.step_shard(window, multiplier, self.weights, hyper)
             return time.perf_counter() - start
 
         self._pending = self._worker.submit(update)

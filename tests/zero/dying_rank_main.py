@@ -59,7 +59,8 @@ try:
             step(i)
         engine.save_checkpoint(os.path.join(out, "ckpt"), "complete")
         if rank == 1 and mode in ("kill-step", "stall"):
-            engine.optimizer.step = doom(3, signal.SIGKILL if mode == "kill-step" else signal.SIGSTOP)(engine.optimizer.step)
+            engine.optimizer.step_shard = doom(3, signal.SIGKILL if mode == "kill-step" else signal.SIGSTOP)(
+                engine.optimizer.step_shard)
         if rank == 1 and mode == "kill-save":
             save_load._write_rank = doom(2, signal.SIGKILL)(save_load._write_rank)
         print("ready", flush=True)

@@ -241,7 +241,7 @@ def test_a_step_skipped_for_an_fp16_overflow_was_not_applied():
 
 def test_a_torch_optimizers_attributes_on_engine_optimizer_say_where_they_went():
     with offload.initialize(make_model(), config(2, "cpu", 1)) as engine:
-        for name in ("param_groups", "zero_grad", "state"):
+        for name in ("param_groups", "zero_grad", "state", "state_dict", "step"):  # FSDP's and torchao's habits
             with pytest.raises(AttributeError, match=f"not a torch.optim.Optimizer, so it has no {name}: "
                                                      r"engine.get_lr\(\) reads"):
                 getattr(engine.optimizer, name)

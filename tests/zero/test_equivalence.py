@@ -182,13 +182,13 @@ def test_with_the_delayed_update_each_step_uses_the_rate_set_before_it():
     cfg = config(2, "cpu", 1, offload_optimizer={"delayed_update": True, "delayed_update_warmup": 0})
     with offload.initialize(make_model(), cfg) as engine:
         used = []
-        original = engine.optimizer.step
+        original = engine.optimizer.step_shard
 
         def recording(grads, grad_scale, out, hyper=None):
             used.append((hyper or engine.optimizer.hyper).lr)
             original(grads, grad_scale, out, hyper)
 
-        engine.optimizer.step = recording
+        engine.optimizer.step_shard = recording
         for step in range(5):
             engine.lr = float(step + 1)
             engine.backward(engine(batch(step, 0, 0)))

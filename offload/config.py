@@ -196,10 +196,10 @@ class ZeroConfig:
     stage: int = _f(2, "1: partition optimizer state; 2: also gradients; 3: also weights", choices=(1, 2, 3),
                     otherwise={0: "DeepSpeed's stage 0 (nothing partitioned) is not implemented: stage 1 computes "
                                   "the same update, and at world size 1 keeps the same state"})
-    sub_group_size: int = _f(100_000_000, "elements the CPU optimizer (device cpu or nvme) updates, and "
-                             "swaps, as one unit; on the accelerator (none) torch's AdamW steps the whole "
-                             "shard at once, and it sizes only the pieces gradients, new weights and "
-                             "checkpoint chunks move in", ge=1)
+    sub_group_size: int = _f(100_000_000, "elements the CPU optimizer (device cpu or nvme) updates, and on "
+                             "nvme swaps, as one unit; on the accelerator (none) torch's Adam or AdamW steps "
+                             "the whole shard at once, and it sizes only the pieces gradients, new weights "
+                             "and checkpoint chunks move in", ge=1)
     reduce_bucket_size: int = _f(500_000_000, "elements per gradient bucket (one reduce-scatter each)", ge=1)
     overlap_comm: bool = _f(False, "true is warned about: collectives run synchronously in this version")
     contiguous_gradients: bool = _f(True, "gradients are always copied into contiguous buckets; false is warned about")
@@ -572,7 +572,8 @@ def idle_bucket_sizes(stage: int, weights_device: str) -> dict[str, str]:
 
 BF16_GRADIENT_HALF = "bf16.bf16_master_weights_and_grads"
 BF16_GRADIENT_HALF_WHY = ("its gradient half: the gradient accumulated over micro-batches stays fp32 here; the master "
-                          "weights are bf16")
+                          "weights are bf16, which zero_optimization.offload_optimizer.master_dtype bfloat16 says "
+                          "alone")
 
 
 def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
@@ -620,9 +621,10 @@ def _without_effect(c: Config, given: set[str]) -> list[tuple[str, str]]:
         high = c.scheduler.params.warmup_max_lr
         given_high = "unset: 0.001, DeepSpeed's default for it" if high is None else f"{high:g}"
         # Hugging Face's stock configs fill both with the same rate: only a rate that is not the peak goes unused.
-        rules.append(("optimizer.params.lr", schedule_of(c).peak != c.optimizer.params.lr,
+        rules.append(("optimizer.params.lr", not math.isclose(schedule_of(c).peak, c.optimizer.params.lr, rel_tol=1e-6),
                       f"{schedule} rises to scheduler.params.warmup_max_lr ({given_high}) and never reads it; set "
-                      "warmup_max_lr to the rate you want"))
+                      "warmup_max_lr to the rate you want (\"auto\" under OffloadTrainer: the arguments' "
+                      "learning_rate)"))
     for f in dataclasses.fields(SchedulerParams):
         rules.append((f"scheduler.params.{f.name}", f.name not in SCHEDULES.get(schedule, ()),
                       "no scheduler.type is set" if schedule is None else f"{schedule} does not read it"))

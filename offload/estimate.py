@@ -144,10 +144,12 @@ class ModelShape:
         its size, so no size is held more often than it has parts. Reads stay
         within ``buffers``, but the step's write-backs may fill the cap."""
         cap = pool_bytes([element_bytes * self.largest_part(gpus)], buffers)
-        if not self._exact():
+        if sum(self.sizes) != self.params:
             return cap
         parts = self._parts(gpus)
-        return min(cap, pool_bytes([element_bytes * part for part in parts[parts_in_cpu(parts, max_in_cpu):]]))
+        # With some frozen, which parts stay in host memory is not known (the trained come first): all may be on disk.
+        on_disk = parts[parts_in_cpu(parts, max_in_cpu):] if self._exact() else parts
+        return min(cap, pool_bytes([element_bytes * part for part in on_disk]))
 
     def largest_part(self, gpus: int) -> int:
         """Elements of the largest parameter's part on each of ``gpus`` ranks, padded as the engine pads it."""

@@ -103,8 +103,9 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
     from zero). A collective in the sense that every rank must call it; each
     reads only what it owns.
     ``allow_missing``: parameters the checkpoint lacks (a new head, say)
-    keep the values the model's own initialisation gave them, with a
-    warning naming them, instead of being an error."""
+    keep their present values (the model's own initialisation, unless an
+    earlier load_weights set them), with a warning naming them, instead of
+    being an error."""
     if engine.global_steps or engine.micro_steps:
         raise UsageError("load_weights loads pretrained weights into a fresh engine; this one has taken "
                          f"{engine.micro_steps} micro-steps (load a checkpoint with load_checkpoint instead)")
@@ -151,7 +152,7 @@ def load_weights(engine, source: str | os.PathLike | Mapping[str, torch.Tensor],
                                  "checkpoint's key names against the model's state_dict, or pass allow_missing=True "
                                  "to keep their present values)")
             warnings.warn(f"offload.load_weights: {named} not in {path}; they keep their present values (the "
-                          "model's own initialisation, unless training or an earlier load changed them)", UserWarning,
+                          "model's own initialisation, unless an earlier load_weights set them)", UserWarning,
                           stacklevel=outside_offload())
         engine.assign_others({key: functools.partial(checkpoint.read, found) for key, found in found_others.items()})
         pieces = sorted((p for slot in layout.slots for p in layout.pieces_of(slot) if p.rank == engine.rank),

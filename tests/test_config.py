@@ -392,6 +392,8 @@ def test_a_setting_without_effect_is_named_in_the_one_warning(data, named):
     {"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 2000}}},
     {"optimizer": {"params": {"lr": 0.1}}, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.1,
                                                                                              "total_num_steps": 2000}}},
+    {"optimizer": {"params": {"lr": 3e-5}},
+     "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3.00000001e-5}}},  # the same rate, printed
 ])
 def test_settings_that_act_are_not_warned_about(data):
     with warnings.catch_warnings():

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
                                                         for master, moments in FORMATS},
                           "limits": {"gpu_mem": args.gpu_mem, "cpu_mem": args.cpu_mem, "nvme_free": args.nvme_free},
                           "zero_model_states_per_gpu": paper,
-                          # fits: null for a tier used without its size
+                          # fits: null for a tier used without its size; with --accelerator cpu, the device's
+                          # bytes are judged in host (device is true)
                           "setups": [{**e.to_json(), "fits": fits} for e, fits in rows]}, indent=1))
     else:
         print(report(shape, args, config, f"{master_dtype} master, {state_dtype} moments", paper, rows))
@@ -175,7 +176,8 @@ def report(shape: ModelShape, args, config: Config, state_format: str, paper: di
                      f"{fits:18}{gb(e.pcie_bytes_per_step):>11}{gb(e.disk_read_per_step):>13}{gb(e.disk_written_per_step):>13}")
     accelerator = ("accel/rank (the accelerator's share, here host memory, which fits counts for every rank with "
                    "CPU/node against --cpu-mem)" if on_cpu else "GPU/rank")
+    sizes = "--cpu-mem, --nvme-free" if on_cpu else "--gpu-mem, --cpu-mem, --nvme-free"
     lines += ["", f"GB = 10^9 bytes. {accelerator} includes this engine's buffers (gradient buckets, gathered "
               "weights); activations are not included. PCIe is per rank, disk per node. fits: against the sizes "
-              "given (--gpu-mem, --cpu-mem, --nvme-free); 'unknown' names a tier used without one."]
+              f"given ({sizes}); 'unknown' names a tier used without one."]
     return "\n".join(lines)

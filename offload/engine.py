@@ -122,16 +122,19 @@ def _while_open(method):
 
 
 def _every_rank(method):
-    """A call every rank must make (it gathers or agrees): one made under ``if
-    rank == 0`` waits in its first collective for comm_timeout_s, and the
-    error it ends in says so, naming the call the user made (the outermost:
-    save_16bit_model calls state_dict), since "another rank died" would mislead."""
+    """A call every rank must make (it gathers or agrees). The ranks first
+    check they are all in it (``comm.same_call``): one made under ``if rank ==
+    0`` while the others close fails at once, naming both; while the others
+    train on, it waits in that check for comm_timeout_s, and the error it ends
+    in says so, naming the call the user made (the outermost: save_16bit_model
+    calls state_dict), since "another rank died" would mislead."""
     @functools.wraps(method)
     def collective(self, *args, **kwargs):
         if getattr(self, "_in_collective_call", False):
             return method(self, *args, **kwargs)
         self._in_collective_call = True
         try:
+            comm.same_call(method.__name__)
             return method(self, *args, **kwargs)
         except CommError as exc:
             raise CommError(f"{exc}; engine.{method.__name__} is a collective: if only some ranks called it (say "
@@ -985,7 +988,8 @@ class Engine:
         _HELD.pop(self.module, None)
         try:
             self.synchronize()
-            if restore_model:
+            if restore_model:  # its gathers: a close after a failure gathers nothing, nor waits for a rank gone
+                comm.same_call("close")
                 self._restore_model()
         finally:
             self.update.close()

@@ -177,6 +177,17 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def same_call(name: str) -> None:
+    """Every rank calls it as it starts the engine call ``name``, a collective:
+    ranks in different calls would pair their collectives silently (rank 0's
+    ``state_dict`` gathering with rank 1's ``close``, which gathers alike)."""
+    calls = all_gather_object(name)
+    if len(set(calls)) > 1:
+        made = "; ".join(f"rank {rank}: engine.{call}" for rank, call in enumerate(calls))
+        raise UsageError(f"the ranks made different engine calls at once ({made}): each is a collective, so every "
+                         "rank must make the same ones in the same order (not some under `if rank == 0`)")
+
+
 def check_same_collectives(where: str) -> None:
     """Note [same collectives]: every rank calls it at the same point; raises
     on every rank if their collectives since the last call differ."""

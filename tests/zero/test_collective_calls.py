@@ -3,12 +3,13 @@
 another rank died or stalled."""
 
 import os
+import time
 
 import pytest
 
 import offload
 from offload import _native
-from offload.errors import CommError
+from offload.errors import CommError, UsageError
 
 from .harness import batch, config, finish_rank, init_gloo, make_model, spawn_ranks
 
@@ -41,6 +42,32 @@ def test_a_collective_called_on_rank_0_alone_says_every_rank_must_call_it(tmp_pa
         assert said[call].startswith("rank 0: "), call
         assert said[call].endswith(f"; engine.{call} is a collective: if only some ranks called it (say under `if "
                                    "rank == 0`), call it on every rank"), call
+
+
+def _different_calls(rank: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, 2, port)
+    engine = offload.initialize(make_model(), config(3, "cpu", 1, param_device="cpu"))
+    engine.backward(engine(batch(0, 0, rank)))
+    engine.step()
+    start = time.perf_counter()
+    try:
+        engine.state_dict() if rank == 0 else engine.close()
+        said = None
+    except UsageError as e:
+        said = str(e)
+    finish_rank(out_dir, rank, (said, time.perf_counter() - start))
+
+
+def test_a_collective_on_rank_0_alone_while_the_others_close_fails_at_once_on_every_rank(tmp_path):
+    """``if rank == 0: engine.state_dict()`` then ``engine.close()``: rank 0's
+    gathers used to pair with rank 1's closing ones (alike at stage 3), and
+    only rank 0's own close failed, later, saying another rank had died."""
+    results = spawn_ranks(_different_calls, tmp_path)
+    for said, seconds in results:
+        assert said == ("the ranks made different engine calls at once (rank 0: engine.state_dict; rank 1: "
+                        "engine.close): each is a collective, so every rank must make the same ones in the same "
+                        "order (not some under `if rank == 0`)")
+        assert seconds < 30, seconds  # not after comm_timeout_s (RANK_WAIT_S here)
 
 
 def test_the_hint_names_the_call_made_not_the_one_inside_it(tmp_path, monkeypatch):

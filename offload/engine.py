@@ -152,6 +152,9 @@ DEEPSPEED_ELSEWHERE = {
     "loss_scaler": "engine.loss_scale is fp16's loss scale for the next step (1.0 without fp16)",
     "no_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
                "window, at its last backward, by itself (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
+    "set_requires_gradient_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine "
+                                  "reduces once per window, at its last backward, by itself, so FSDP's switch "
+                                  "between micro-batches has nothing to turn off",
     "training_dataloader": "offload makes no data loader: iterate your own and call engine(batch)",
     "get_mom": "engine.group_of(name).betas gives what a parameter steps with (the config's optimizer.params.betas "
                "unless its group sets its own)",

@@ -732,6 +732,7 @@ def test_deepspeeds_initialize_and_engine_names_work_or_say_where_they_went():
         assert (engine.global_rank, engine.world_size, engine.dp_world_size) == (0, 1, 1)
         for name, where in (("lr_scheduler", "the config's scheduler section runs inside engine.step"),
                             ("no_sync", "gradient_accumulation_steps"), ("get_loss_scale", "engine.loss_scale"),
+                            ("set_requires_gradient_sync", "FSDP's switch between micro-batches"),
                             ("parameters", "engine.module is the model"), ("half", "sets the compute dtype")):
             with pytest.raises(AttributeError, match=f"offload's engine has no {name}: .*{re.escape(where)}"):
                 getattr(engine, name)

@@ -144,17 +144,16 @@ def _every_rank(method):
     return collective
 
 
+_OWN_ACCUMULATION = ("gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
+                     "window, at its last backward, by itself")
 # DeepSpeed engine attributes offload has elsewhere or not at all -> where to look.
 DEEPSPEED_ELSEWHERE = {
     "lr_scheduler": "the config's scheduler section runs inside engine.step() (engine.schedule is it, or None); "
                     "engine.get_lr() reads its rate, and without one engine.lr sets the rate",
     "get_loss_scale": "engine.loss_scale is fp16's loss scale for the next step (1.0 without fp16)",
     "loss_scaler": "engine.loss_scale is fp16's loss scale for the next step (1.0 without fp16)",
-    "no_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine reduces once per "
-               "window, at its last backward, by itself (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
-    "set_requires_gradient_sync": "gradient accumulation is the config's gradient_accumulation_steps: the engine "
-                                  "reduces once per window, at its last backward, by itself, so FSDP's switch "
-                                  "between micro-batches has nothing to turn off",
+    "no_sync": f"{_OWN_ACCUMULATION} (DeepSpeed refuses no_sync with ZeRO stages 2 and 3 too)",
+    "set_requires_gradient_sync": f"{_OWN_ACCUMULATION}, so FSDP's switch between micro-batches has nothing to turn off",
     "training_dataloader": "offload makes no data loader: iterate your own and call engine(batch)",
     "get_mom": "engine.group_of(name).betas gives what a parameter steps with (the config's optimizer.params.betas "
                "unless its group sets its own)",

@@ -127,10 +127,14 @@ class ModelShape:
         engine pads each parameter's part where the sizes are known."""
         return sum(self._parts(gpus)) if self._exact() else math.ceil(self.params / gpus)
 
-    def _exact(self) -> bool:
+    def _sized(self) -> bool:
         """The sizes are the model's (not ``from_count``'s assumed layers, which
-        do not add up to the count), and every parameter trains."""
-        return bool(self.sizes) and sum(self.sizes) == self.params and self.trainable is None
+        do not add up to the count)."""
+        return bool(self.sizes) and sum(self.sizes) == self.params
+
+    def _exact(self) -> bool:
+        """The sizes are the model's, and every parameter trains."""
+        return self._sized() and self.trainable is None
 
     def _parts(self, gpus: int) -> list[int]:
         unit = gpus * ALIGN
@@ -144,7 +148,7 @@ class ModelShape:
         its size, so no size is held more often than it has parts. Reads stay
         within ``buffers``, but the step's write-backs may fill the cap."""
         cap = pool_bytes([element_bytes * self.largest_part(gpus)], buffers)
-        if sum(self.sizes) != self.params:
+        if not self._sized():
             return cap
         parts = self._parts(gpus)
         # With some frozen, which parts stay in host memory is not known (the trained come first): all may be on disk.

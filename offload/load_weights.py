@@ -16,8 +16,9 @@ A tied weight (one parameter under several keys) is read from whichever of
 its keys the checkpoint has, as ``from_pretrained`` does. A trainable
 parameter under none of its keys is an error naming it, unless
 ``allow_missing`` says its present values stand (a new head on a
-pretrained body keeps its initialisation); so is a frozen one (a LoRA's base left as initialised
-would train the adapter on noise), and a shape that differs always is.
+pretrained body keeps its initialisation); so is a frozen one (a LoRA's
+base left as initialised would train the adapter on noise), and a shape
+that differs always is.
 Buffers the checkpoint has are copied too; those it lacks keep what the
 model's own initialisation gave them. A PEFT model's keys are also looked for
 under the base model's names (``checkpoint_names``), and its trainable
